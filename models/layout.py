@@ -1,0 +1,53 @@
+"""Host-side helpers that lay items out in fixed-size padded buffers.
+
+Invariants every padded pack keeps (the varlen kernel is silently wrong otherwise):
+- real items occupy rows `[0, used)` in pack order; rows `[used, total)` are padding;
+- padding is split into segments no longer than the layout's `max_seqlen`, so every
+  segment, real or padding, is <= `max_seqlen`;
+- unused `cu_seqlens` slots repeat the last offset (zero-length trailing segments).
+Padding rows never attend to real rows, so real outputs do not depend on them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .protocol import PackCapacityError
+
+
+def padding_chunks(used: int, total: int, chunk: int) -> list[int]:
+    """Lengths that cover `[used, total)` with segments of at most `chunk` rows."""
+    if used > total:
+        raise PackCapacityError(f"{used} rows do not fit a buffer of {total}")
+    full, rest = divmod(total - used, chunk)
+    return [chunk] * full + ([rest] if rest else [])
+
+
+def padded_cu_seqlens(lengths: Sequence[int], total: int, chunk: int, capacity: int) -> torch.Tensor:
+    """int32 `[capacity + 1]` offsets: `lengths`, then padding chunks up to `total`, then repeats."""
+    if lengths and max(lengths) > chunk:
+        raise PackCapacityError(f"segment of {max(lengths)} rows exceeds max_seqlen {chunk}")
+    segments = list(lengths) + padding_chunks(sum(lengths), total, chunk)
+    if len(segments) > capacity:
+        raise PackCapacityError(f"{len(segments)} attention segments exceed the buffer's {capacity}")
+    offsets = torch.zeros(capacity + 1, dtype=torch.int32)
+    if segments:
+        offsets[1 : len(segments) + 1] = torch.tensor(segments, dtype=torch.int32).cumsum(0)
+        offsets[len(segments) + 1 :] = total
+    return offsets
+
+
+def pad_rows(values: torch.Tensor, total: int, fill: float | int = 0) -> torch.Tensor:
+    """`values` followed by `fill` rows up to `total` rows."""
+    if values.shape[0] > total:
+        raise PackCapacityError(f"{values.shape[0]} rows do not fit a buffer of {total}")
+    out = torch.full((total, *values.shape[1:]), fill, dtype=values.dtype)
+    out[: values.shape[0]] = values
+    return out
+
+
+def segment_capacity(total: int, min_segment: int, max_seqlen: int) -> int:
+    """Slots a `cu_seqlens` buffer needs: real segments of >= `min_segment` rows plus padding chunks."""
+    return total // max(min_segment, 1) + -(-total // max_seqlen) + 1

@@ -1,0 +1,185 @@
+"""Building encoders: from a preset (random weights) or from a checkpoint (dir or hub id).
+
+A checkpoint is either a full VLM (`...ForConditionalGeneration`; only the vision weights are
+read, under `model.visual.` or `visual.`) or a vision-only tower saved by `save_pretrained`.
+Loading is strict: a missing or unexpected key is an error that names it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .presets import TINY_VLM_TOKEN_IDS, Preset, resolve_preset
+from .processing import VisionPreprocessor
+from .qwen import QwenVisionEncoder
+from .qwen2_5_vl import Qwen2_5_VLEncoder
+from .qwen2_vl import Qwen2VLEncoder
+from .qwen3_vl import Qwen3VLEncoder
+
+logger = logging.getLogger(__name__)
+
+FAMILIES: dict[str, type[QwenVisionEncoder]] = {
+    cls.family: cls for cls in (Qwen2VLEncoder, Qwen2_5_VLEncoder, Qwen3VLEncoder)
+}
+VISION_PREFIXES = ("model.visual.", "visual.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot serve as this service's vision tower."""
+
+
+def family_class(family: str) -> type[QwenVisionEncoder]:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; known families: {', '.join(FAMILIES)}")
+    return FAMILIES[family]
+
+
+def _build_tower(cls: type[QwenVisionEncoder], config, dtype: torch.dtype, device: torch.device | str):
+    # Built under the target dtype (not `.to(dtype)` afterwards) so that rotary `inv_freq`
+    # buffers stay float32, as with transformers' own `from_pretrained`.
+    with torch.device(device):
+        return cls.tower_class._from_config(config, dtype=dtype)
+
+
+def from_preset(
+    preset: str | Preset,
+    family: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> QwenVisionEncoder:
+    """An encoder with random weights (seeded) in a preset's shape."""
+    found = preset if isinstance(preset, Preset) else resolve_preset(family, preset)
+    cls = family_class(found.family)
+    torch.manual_seed(seed)
+    tower = _build_tower(cls, cls.config_class(**found.vision_config), dtype, device)
+    preprocessor = VisionPreprocessor(
+        cls.image_processor_class(**found.image_processor),
+        cls.video_processor_class(**found.video_processor),
+        cls.resize_rules,
+    )
+    return cls(tower, preprocessor, name=found.name)
+
+
+def vlm_config(preset: str | Preset, family: str | None = None):
+    """The full VLM config (vision + language) of a preset that has a language side (the tiny ones)."""
+    found = preset if isinstance(preset, Preset) else resolve_preset(family, preset)
+    if found.text_config is None:
+        raise ValueError(f"preset {found.name!r} has no language-model config; load a checkpoint instead")
+    cls = family_class(found.family)
+    return cls.vlm_config_class(
+        vision_config=found.vision_config, text_config=found.text_config, **TINY_VLM_TOKEN_IDS
+    )
+
+
+def resolve_checkpoint_dir(path_or_id: str) -> Path:
+    """A local directory as is; anything else is a hub id, downloaded (configs and safetensors only)."""
+    local = Path(path_or_id).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists() or path_or_id.startswith((".", "/", "~")):
+        raise CheckpointError(f"checkpoint path {path_or_id!r} is not a directory")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja"]))
+    except Exception as exc:  # the hub client raises many types; all mean "not available"
+        raise CheckpointError(
+            f"{path_or_id!r} is neither a local directory nor a downloadable hub model: {exc}"
+        ) from exc
+
+
+def _read_config(directory: Path) -> dict:
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"no config.json in {directory}: not a transformers checkpoint")
+    return json.loads(config_file.read_text())
+
+
+def _detect_family(config: dict, directory: Path) -> tuple[str, bool]:
+    """(family, whether the checkpoint is a full VLM) from a checkpoint's config.json."""
+    model_type = config.get("model_type")
+    for family, cls in FAMILIES.items():
+        if model_type in cls.checkpoint_model_types:
+            return family, model_type == cls.checkpoint_model_types[0]
+    known = sorted(t for cls in FAMILIES.values() for t in cls.checkpoint_model_types)
+    raise CheckpointError(
+        f"checkpoint {directory} has model_type {model_type!r}, which is not a supported vision-language model "
+        f"or vision tower (supported model_type values: {', '.join(known)})"
+    )
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {directory}")
+    return files
+
+
+def read_vision_state_dict(directory: Path, full_vlm: bool) -> dict[str, torch.Tensor]:
+    """The tower's weights, prefixes stripped; reads only the vision keys from each file."""
+    state: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(directory):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                if not full_vlm:
+                    state[key] = handle.get_tensor(key)
+                    continue
+                for prefix in VISION_PREFIXES:
+                    if key.startswith(prefix):
+                        state[key[len(prefix) :]] = handle.get_tensor(key)
+    if not state:
+        raise CheckpointError(f"no vision-tower weights (keys under {' or '.join(VISION_PREFIXES)}) in {directory}")
+    return state
+
+
+def _load_processors(cls: type[QwenVisionEncoder], directory: Path) -> VisionPreprocessor:
+    def load(processor_class, filename: str):
+        if (directory / filename).is_file() or (directory / "preprocessor_config.json").is_file():
+            return processor_class.from_pretrained(str(directory))
+        logger.warning("%s has no %s; using %s defaults", directory, filename, processor_class.__name__)
+        return processor_class()
+
+    return VisionPreprocessor(
+        load(cls.image_processor_class, "preprocessor_config.json"),
+        load(cls.video_processor_class, "video_preprocessor_config.json"),
+        cls.resize_rules,
+    )
+
+
+def from_checkpoint(
+    path_or_id: str,
+    family: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> QwenVisionEncoder:
+    """Load the vision tower and processors of a checkpoint directory or hub id."""
+    directory = resolve_checkpoint_dir(path_or_id)
+    config = _read_config(directory)
+    found_family, full_vlm = _detect_family(config, directory)
+    if family is not None and family != found_family:
+        raise CheckpointError(f"checkpoint {directory} is a {found_family} model, but family {family!r} was requested")
+    cls = FAMILIES[found_family]
+    vision_config = cls.config_class(**(config["vision_config"] if full_vlm else config))
+    tower = _build_tower(cls, vision_config, dtype, device)
+    state = read_vision_state_dict(directory, full_vlm)
+    missing, unexpected = _key_mismatch(tower, state)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"vision weights in {directory} do not match a {found_family} tower: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    tower.load_state_dict(state, strict=True)
+    logger.info("loaded %s vision tower (%d tensors) from %s", found_family, len(state), directory)
+    return cls(tower, _load_processors(cls, directory), name=str(path_or_id))
+
+
+def _key_mismatch(tower: torch.nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    expected = set(tower.state_dict())
+    return sorted(expected - set(state)), sorted(set(state) - expected)

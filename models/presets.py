@@ -1,0 +1,210 @@
+"""Named vision-tower configurations: `tiny` per family and the published real sizes.
+
+Real sizes reproduce the `vision_config` and processor configs of the released checkpoints
+(random weights: for benchmarks and capacity planning without downloading anything).
+`tiny` keeps the real processor (so token counts are real) and shrinks only the tower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+HALF = [0.5, 0.5, 0.5]
+
+QWEN2_IMAGE_PROCESSOR = {
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16384},
+    "image_mean": OPENAI_CLIP_MEAN,
+    "image_std": OPENAI_CLIP_STD,
+}
+QWEN2_VIDEO_PROCESSOR = {
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768},
+    "image_mean": OPENAI_CLIP_MEAN,
+    "image_std": OPENAI_CLIP_STD,
+}
+QWEN3_IMAGE_PROCESSOR = {
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+    "image_mean": HALF,
+    "image_std": HALF,
+}
+QWEN3_VIDEO_PROCESSOR = {
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "size": {"shortest_edge": 4096, "longest_edge": 25165824},
+    "image_mean": HALF,
+    "image_std": HALF,
+}
+
+
+# Special tokens of the tiny presets' vocabulary (the ids a tiny tokenizer must use).
+TINY_SPECIAL_TOKENS = {
+    "<|endoftext|>": 1000,
+    "<|im_start|>": 1001,
+    "<|im_end|>": 1002,
+    "<|vision_start|>": 1003,
+    "<|vision_end|>": 1004,
+    "<|image_pad|>": 1005,
+    "<|video_pad|>": 1006,
+}
+TINY_TEXT_CONFIG = {
+    "vocab_size": 1024,
+    "hidden_size": 96,
+    "intermediate_size": 160,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "bos_token_id": TINY_SPECIAL_TOKENS["<|endoftext|>"],
+    "eos_token_id": TINY_SPECIAL_TOKENS["<|im_end|>"],
+    "pad_token_id": TINY_SPECIAL_TOKENS["<|endoftext|>"],
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 4, 4]},
+}
+TINY_VLM_TOKEN_IDS = {
+    "image_token_id": TINY_SPECIAL_TOKENS["<|image_pad|>"],
+    "video_token_id": TINY_SPECIAL_TOKENS["<|video_pad|>"],
+    "vision_start_token_id": TINY_SPECIAL_TOKENS["<|vision_start|>"],
+    "vision_end_token_id": TINY_SPECIAL_TOKENS["<|vision_end|>"],
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A vision tower configuration with random weights."""
+
+    name: str
+    family: str
+    vision_config: dict[str, Any]
+    image_processor: dict[str, Any] = field(default_factory=dict)
+    video_processor: dict[str, Any] = field(default_factory=dict)
+    text_config: dict[str, Any] | None = None
+    """Language-model config of the full VLM (tiny presets only; real sizes load checkpoints)."""
+
+
+def _qwen2_vl(name: str, **vision: Any) -> Preset:
+    return Preset(name, "qwen2-vl", vision, QWEN2_IMAGE_PROCESSOR, QWEN2_VIDEO_PROCESSOR)
+
+
+def _qwen2_5_vl(name: str, **vision: Any) -> Preset:
+    return Preset(name, "qwen2.5-vl", vision, QWEN2_IMAGE_PROCESSOR, QWEN2_VIDEO_PROCESSOR)
+
+
+def _qwen3_vl(name: str, **vision: Any) -> Preset:
+    return Preset(name, "qwen3-vl", vision, QWEN3_IMAGE_PROCESSOR, QWEN3_VIDEO_PROCESSOR)
+
+
+def _with_text(preset: Preset, **text: Any) -> Preset:
+    return replace(preset, text_config={**TINY_TEXT_CONFIG, **text})
+
+
+_QWEN2_5_REAL = dict(
+    depth=32,
+    hidden_size=1280,
+    intermediate_size=3420,
+    num_heads=16,
+    hidden_act="silu",
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31],
+    tokens_per_second=2,
+)
+_QWEN3_SMALL = dict(
+    depth=24,
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_heads=16,
+    hidden_act="gelu_pytorch_tanh",
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=[5, 11, 17],
+)
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        _with_text(
+            _qwen2_vl(
+                "qwen2-vl-tiny", depth=2, embed_dim=64, hidden_size=96, num_heads=4, mlp_ratio=2, hidden_act="quick_gelu"
+            )
+        ),
+        _qwen2_vl(
+            "qwen2-vl-7b", depth=32, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4, hidden_act="quick_gelu"
+        ),
+        _with_text(
+            _qwen2_5_vl(
+                "qwen2.5-vl-tiny",
+                depth=4,
+                hidden_size=64,
+                intermediate_size=96,
+                num_heads=4,
+                out_hidden_size=96,
+                hidden_act="silu",
+                window_size=112,
+                fullatt_block_indexes=[1, 3],
+            )
+        ),
+        _qwen2_5_vl("qwen2.5-vl-3b", out_hidden_size=2048, **_QWEN2_5_REAL),
+        _qwen2_5_vl("qwen2.5-vl-7b", out_hidden_size=3584, **_QWEN2_5_REAL),
+        _with_text(
+            _qwen3_vl(
+                "qwen3-vl-tiny",
+                depth=3,
+                hidden_size=64,
+                intermediate_size=96,
+                num_heads=4,
+                out_hidden_size=96,
+                hidden_act="gelu_pytorch_tanh",
+                num_position_embeddings=256,
+                deepstack_visual_indexes=[0, 1],
+            ),
+            head_dim=24,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [4, 4, 4],
+                "mrope_interleaved": True,
+            },
+        ),
+        _qwen3_vl("qwen3-vl-2b", out_hidden_size=2048, **_QWEN3_SMALL),
+        _qwen3_vl("qwen3-vl-4b", out_hidden_size=2560, **_QWEN3_SMALL),
+        _qwen3_vl(
+            "qwen3-vl-8b",
+            depth=27,
+            hidden_size=1152,
+            intermediate_size=4304,
+            num_heads=16,
+            hidden_act="gelu_pytorch_tanh",
+            out_hidden_size=4096,
+            patch_size=16,
+            num_position_embeddings=2304,
+            deepstack_visual_indexes=[8, 16, 24],
+        ),
+    ]
+}
+
+
+def resolve_preset(family: str | None, preset: str) -> Preset:
+    """Find a preset by full name ("qwen3-vl-8b") or by family + short name ("tiny")."""
+    name = preset if preset in PRESETS else f"{family}-{preset}"
+    if name not in PRESETS:
+        known = ", ".join(sorted(PRESETS))
+        raise ValueError(f"unknown preset {preset!r} (family {family!r}); known presets: {known}")
+    found = PRESETS[name]
+    if family is not None and found.family != family:
+        raise ValueError(f"preset {found.name!r} belongs to family {found.family!r}, not {family!r}")
+    return found

@@ -1,0 +1,120 @@
+"""The seam between model code (`models/`) and the model-agnostic graph manager (`encoder_graphs/`).
+
+`encoder_graphs` talks to a vision tower only through `VisionEncoder` and the frozen
+dataclasses below. Everything a graph needs is either a static shape (from `PackLayout`)
+or a host tensor computed before replay (from `VisionEncoder.pack_metadata`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+
+Modality = Literal["image", "video"]
+
+
+@dataclass(frozen=True)
+class ItemSpec:
+    """One image or video as the tower sees it, known before the tower runs."""
+
+    modality: Modality
+    """"image" or "video"; a pack holds one modality."""
+    grid_thw: tuple[int, int, int]
+    """Patch grid (temporal, height, width) exactly as the processor's `*_grid_thw`."""
+    input_patches: int
+    """Rows of `pixel_values` the item occupies (t * h * w)."""
+    output_tokens: int
+    """Merged tokens the tower returns for it (input_patches // merge_unit)."""
+
+    @property
+    def frame_patches(self) -> int:
+        """Patches in one temporal slice: the length of one attention segment."""
+        return self.grid_thw[1] * self.grid_thw[2]
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """Static shape of one padded pack: what a captured graph is specialised to."""
+
+    token_budget: int
+    """Output tokens (after the spatial merge) the pack can hold."""
+    max_seqlen: int
+    """Longest attention segment (patches) allowed; padding is chunked to <= this."""
+    max_segments: int
+    """Capacity of the full-attention `cu_seqlens` buffer (real + padding segments)."""
+    max_window_segments: int = 0
+    """Capacity of the window-attention `cu_window_seqlens` buffer (0: no window attention)."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one static input buffer."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class EncoderOutput:
+    """Merged tokens for a whole (possibly padded) pack, item after item."""
+
+    tokens: torch.Tensor
+    """`[rows, out_hidden]`, items in pack order, padding rows after the last item."""
+    deepstack: torch.Tensor | None = None
+    """`[num_deepstack, rows, out_hidden]` (Qwen3-VL), same row order; None otherwise."""
+
+
+@dataclass
+class ItemOutput:
+    """The tower's output for one item, sliced from a pack."""
+
+    tokens: torch.Tensor
+    """`[output_tokens, out_hidden]`."""
+    deepstack: torch.Tensor | None = None
+    """`[num_deepstack, output_tokens, out_hidden]` (Qwen3-VL) or None."""
+
+
+class PackCapacityError(ValueError):
+    """The items do not fit a layout (more segments or tokens than its buffers hold)."""
+
+
+@runtime_checkable
+class VisionEncoder(Protocol):
+    """A vision tower that can run padded packs with precomputed metadata."""
+
+    family: str
+    """Model family id, e.g. "qwen2.5-vl"."""
+    merge_unit: int
+    """Input patches per output token (spatial_merge_size ** 2)."""
+    patch_dim: int
+    """Width of one `pixel_values` row (channels * temporal_patch * patch * patch)."""
+    out_hidden: int
+    """Width of one output token."""
+    num_deepstack: int
+    """Deepstack feature maps returned per item (0 when the family has none)."""
+    dtype: torch.dtype
+    device: torch.device
+
+    def metadata_specs(self, layout: PackLayout) -> Mapping[str, TensorSpec]:
+        """Static metadata buffers a graph for `layout` needs (pixels excluded)."""
+        ...
+
+    def pack_metadata(self, specs: Sequence[ItemSpec], layout: PackLayout) -> dict[str, torch.Tensor]:
+        """Host tensors matching `metadata_specs(layout)` for these items; no device work.
+
+        Raises PackCapacityError when the items do not fit the layout."""
+        ...
+
+    def forward_padded(
+        self, pixel_values: torch.Tensor, metadata: Mapping[str, torch.Tensor], layout: PackLayout
+    ) -> EncoderOutput:
+        """Static-shape forward over `token_budget * merge_unit` pixel rows. No host sync:
+        safe to capture in one CUDA graph once the metadata lives in static buffers."""
+        ...
+
+    def forward_eager(self, pixel_values: torch.Tensor, specs: Sequence[ItemSpec]) -> EncoderOutput:
+        """Unpadded forward for any items (used above the largest budget and as the reference
+        the startup self-check compares graphs with)."""
+        ...

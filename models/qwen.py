@@ -1,0 +1,141 @@
+"""The Qwen vision-tower adapter shared by Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
+
+The transformers tower runs unchanged: we only precompute what its `forward` would compute
+on the host (`cu_seqlens`, rotary `position_ids`, ...), lay it out in padded fixed-size
+buffers, and pass it in as the keyword arguments transformers' `vision_utils.get_*`
+helpers accept. Each family subclass adds its own metadata (window attention, learned
+position-embedding interpolation) in one method, so the dependence on those keyword names
+lives in one place per family.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import ClassVar, Mapping, Sequence
+
+import torch
+from transformers.vision_utils import get_vision_position_ids
+
+from . import attention
+from .layout import pad_rows, padded_cu_seqlens, segment_capacity
+from .processing import ResizeRules, VisionPreprocessor
+from .protocol import EncoderOutput, ItemSpec, PackCapacityError, PackLayout, TensorSpec
+
+
+@lru_cache(maxsize=4096)
+def _position_ids(grid_thw: tuple[int, int, int], merge_size: int) -> torch.Tensor:
+    return get_vision_position_ids(torch.tensor([grid_thw]), merge_size)
+
+
+class QwenVisionEncoder:
+    """A transformers Qwen vision tower behind the `VisionEncoder` protocol."""
+
+    family: ClassVar[str]
+    tower_class: ClassVar[type]
+    config_class: ClassVar[type]
+    vlm_config_class: ClassVar[type]
+    """The full VLM's config class (vision + language)."""
+    vlm_class: ClassVar[type]
+    """The full VLM (`...ForConditionalGeneration`)."""
+    image_processor_class: ClassVar[type]
+    video_processor_class: ClassVar[type]
+    resize_rules: ClassVar[ResizeRules]
+    checkpoint_model_types: ClassVar[tuple[str, ...]]
+    """`model_type` of the full VLM config and of its vision config, as saved by transformers."""
+
+    def __init__(self, tower: torch.nn.Module, preprocessor: VisionPreprocessor, name: str):
+        self.name = name
+        self.tower = tower.eval().requires_grad_(False)
+        self.tower.config._attn_implementation = attention.register()
+        self.preprocessor = preprocessor
+        config = tower.config
+        self.spatial_merge_size = config.spatial_merge_size
+        self.merge_unit = config.spatial_merge_size**2
+        self.patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
+        self.num_deepstack = 0
+        self.min_segment_patches = self._min_segment_patches()
+        if preprocessor.patch_size != config.patch_size or preprocessor.merge_size != config.spatial_merge_size:
+            raise ValueError(
+                f"processor patch/merge size {preprocessor.patch_size}/{preprocessor.merge_size} does not match "
+                f"the tower's {config.patch_size}/{config.spatial_merge_size}"
+            )
+
+    # ---- facts about the tower ----
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.tower.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.tower.parameters()).device
+
+    @property
+    def out_hidden(self) -> int:
+        return self.tower.config.out_hidden_size
+
+    def _min_segment_patches(self) -> int:
+        """Fewest patches one frame can have after the processors' resize (bounds segment counts)."""
+        image_min = self.preprocessor.image_processor.size["shortest_edge"]
+        video_min = self.preprocessor.video_processor.size["shortest_edge"] // self.preprocessor.temporal_patch_size
+        patch_area = self.preprocessor.patch_size**2
+        return max(self.merge_unit, min(image_min, video_min) // patch_area)
+
+    # ---- layouts and metadata ----
+
+    def pack_layout(self, token_budget: int, max_seqlen: int) -> PackLayout:
+        """Buffers for packs of up to `token_budget` output tokens whose frames have <= `max_seqlen` patches."""
+        rows = token_budget * self.merge_unit
+        return PackLayout(token_budget, max_seqlen, segment_capacity(rows, self.min_segment_patches, max_seqlen))
+
+    def exact_layout(self, specs: Sequence[ItemSpec]) -> PackLayout:
+        """The unpadded layout of exactly these items (used by the eager path)."""
+        tokens = sum(s.output_tokens for s in specs)
+        segments = sum(s.grid_thw[0] for s in specs)
+        return PackLayout(tokens, max(s.frame_patches for s in specs), segments)
+
+    def metadata_specs(self, layout: PackLayout) -> dict[str, TensorSpec]:
+        rows = layout.token_budget * self.merge_unit
+        return {
+            "position_ids": TensorSpec((rows, 2), torch.int64),
+            "cu_seqlens": TensorSpec((layout.max_segments + 1,), torch.int32),
+        }
+
+    def pack_metadata(self, specs: Sequence[ItemSpec], layout: PackLayout) -> dict[str, torch.Tensor]:
+        rows = layout.token_budget * self.merge_unit
+        used = sum(s.input_patches for s in specs)
+        if used > rows:
+            raise PackCapacityError(f"{used} patches exceed the layout's {rows}")
+        lengths = [s.frame_patches for s in specs for _ in range(s.grid_thw[0])]
+        position_ids = torch.cat([_position_ids(s.grid_thw, self.spatial_merge_size) for s in specs])
+        return {
+            "position_ids": pad_rows(position_ids, rows),
+            "cu_seqlens": padded_cu_seqlens(lengths, rows, layout.max_seqlen, layout.max_segments),
+        }
+
+    def _tower_kwargs(self, metadata: Mapping[str, torch.Tensor], layout: PackLayout) -> dict:
+        """Keyword arguments that make the transformers tower skip its own host-side helpers."""
+        return {
+            "position_ids": metadata["position_ids"],
+            "cu_seqlens": metadata["cu_seqlens"],
+            "max_seqlen": layout.max_seqlen,
+        }
+
+    # ---- forwards ----
+
+    def _output(self, result) -> EncoderOutput:
+        return EncoderOutput(tokens=result.pooler_output)
+
+    def forward_padded(
+        self, pixel_values: torch.Tensor, metadata: Mapping[str, torch.Tensor], layout: PackLayout
+    ) -> EncoderOutput:
+        with torch.inference_mode():
+            result = self.tower(pixel_values, grid_thw=None, **self._tower_kwargs(metadata, layout))
+        return self._output(result)
+
+    def forward_eager(self, pixel_values: torch.Tensor, specs: Sequence[ItemSpec]) -> EncoderOutput:
+        layout = self.exact_layout(specs)
+        metadata = {
+            name: tensor.to(self.device, non_blocking=True) for name, tensor in self.pack_metadata(specs, layout).items()
+        }
+        return self.forward_padded(pixel_values.to(self.device), metadata, layout)

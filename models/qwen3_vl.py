@@ -1,0 +1,104 @@
+"""Qwen3-VL: learned position embeddings resampled per grid, and deepstack features.
+
+The tower adds `pos_embed` resampled to each item's grid (bilinear, as gather indices and
+weights computed on the host) and returns one extra merged feature map per deepstack layer.
+Padding rows get zero interpolation weights, so they add nothing.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Mapping, Sequence
+
+import torch
+from transformers.models.qwen2_vl import image_processing_qwen2_vl
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+from transformers.models.qwen3_vl import video_processing_qwen3_vl
+from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig, Qwen3VLVisionConfig
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLVisionModel
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+from .layout import pad_rows
+from .processing import InvalidItemError, ResizeRules
+from .protocol import EncoderOutput, ItemSpec, PackLayout, TensorSpec
+from .qwen import QwenVisionEncoder
+
+
+def qwen3_video_rule(num_frames, height, width, factor, temporal_factor, min_pixels, max_pixels):
+    """Qwen3-VL's video resize budgets pixels over the whole clip (and refuses 1-frame clips)."""
+    if num_frames < temporal_factor:
+        raise InvalidItemError(f"video has {num_frames} frame(s); Qwen3-VL needs at least {temporal_factor}")
+    return video_processing_qwen3_vl.smart_resize(
+        num_frames,
+        height,
+        width,
+        temporal_factor=temporal_factor,
+        factor=factor,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+    )
+
+
+@lru_cache(maxsize=4096)
+def _interpolation(grid_thw: tuple[int, int, int], side: int, mode: str, align_corners: bool, merge_size: int):
+    return get_vision_interpolation_indices_and_weights(
+        torch.tensor([grid_thw]),
+        num_grid_per_side=side,
+        mode=mode,
+        align_corners=align_corners,
+        spatial_merge_size=merge_size,
+    )
+
+
+class Qwen3VLEncoder(QwenVisionEncoder):
+    family = "qwen3-vl"
+    tower_class = Qwen3VLVisionModel
+    config_class = Qwen3VLVisionConfig
+    vlm_config_class = Qwen3VLConfig
+    vlm_class = Qwen3VLForConditionalGeneration
+    image_processor_class = Qwen2VLImageProcessor
+    video_processor_class = Qwen3VLVideoProcessor
+    resize_rules = ResizeRules(image=image_processing_qwen2_vl.smart_resize, video=qwen3_video_rule)
+    checkpoint_model_types = ("qwen3_vl", "qwen3_vl_vision")
+
+    def __init__(self, tower, preprocessor, name):
+        super().__init__(tower, preprocessor, name)
+        self.num_deepstack = len(tower.config.deepstack_visual_indexes)
+
+    def _interpolation(self, spec: ItemSpec):
+        tower = self.tower
+        return _interpolation(
+            spec.grid_thw,
+            tower.num_grid_per_side,
+            tower.interpolation_mode,
+            tower.interpolation_align_corners,
+            self.spatial_merge_size,
+        )
+
+    def metadata_specs(self, layout: PackLayout) -> dict[str, TensorSpec]:
+        rows = layout.token_budget * self.merge_unit
+        taps = self._interpolation(ItemSpec("image", (1, 2, 2), 4, 1))[0].shape[1]
+        return {
+            **super().metadata_specs(layout),
+            "interp_indices": TensorSpec((rows, taps), torch.int64),
+            "interp_weights": TensorSpec((rows, taps), torch.float32),
+        }
+
+    def pack_metadata(self, specs: Sequence[ItemSpec], layout: PackLayout) -> dict[str, torch.Tensor]:
+        metadata = super().pack_metadata(specs, layout)
+        rows = layout.token_budget * self.merge_unit
+        pieces = [self._interpolation(s) for s in specs]
+        metadata["interp_indices"] = pad_rows(torch.cat([p[0] for p in pieces]), rows)
+        metadata["interp_weights"] = pad_rows(torch.cat([p[1] for p in pieces]), rows)
+        return metadata
+
+    def _tower_kwargs(self, metadata: Mapping[str, torch.Tensor], layout: PackLayout) -> dict:
+        return {
+            **super()._tower_kwargs(metadata, layout),
+            "interp_indices": metadata["interp_indices"],
+            "interp_weights": metadata["interp_weights"],
+        }
+
+    def _output(self, result) -> EncoderOutput:
+        return EncoderOutput(tokens=result.pooler_output, deepstack=torch.stack(result.deepstack_features))

@@ -1,0 +1,54 @@
+"""Shared test helpers: the independent reference and random media."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import numpy as np
+import torch
+from PIL import Image
+
+FAMILY_TINY = {"qwen2-vl": "qwen2-vl-tiny", "qwen2.5-vl": "qwen2.5-vl-tiny", "qwen3-vl": "qwen3-vl-tiny"}
+
+
+def reference_tower(encoder) -> torch.nn.Module:
+    """A copy of the encoder's transformers tower that runs its own way (sdpa, its own metadata)."""
+    tower = copy.deepcopy(encoder.tower)
+    tower.config._attn_implementation = "sdpa"
+    return tower
+
+
+@torch.inference_mode()
+def reference_item(tower, pixel_values: torch.Tensor, grid_thw) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' tower on one item, as users call it: merged tokens and deepstack (stacked) or None."""
+    device = next(tower.parameters()).device
+    out = tower(pixel_values.to(device), grid_thw=torch.tensor([list(grid_thw)], device=device))
+    deepstack = getattr(out, "deepstack_features", None)
+    return out.pooler_output, (torch.stack(deepstack) if deepstack else None)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|, in float32."""
+    expected = expected.float()
+    return ((actual.float() - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item()
+
+
+def random_image(rng: np.random.Generator, height: int, width: int) -> torch.Tensor:
+    """A `[3, H, W]` uint8 image with structure (gradients plus noise), not flat noise."""
+    y = np.linspace(0, 1, height)[:, None]
+    x = np.linspace(0, 1, width)[None, :]
+    base = np.stack(np.broadcast_arrays(y * x, y, x)) * 200
+    noise = rng.integers(0, 55, size=(3, height, width))
+    return torch.from_numpy((base + noise).astype(np.uint8))
+
+
+def random_video(rng: np.random.Generator, frames: int, height: int, width: int) -> torch.Tensor:
+    """A `[T, 3, H, W]` uint8 clip."""
+    return torch.stack([random_image(rng, height, width) for _ in range(frames)])
+
+
+def encode_file(image: Image.Image, fmt: str = "PNG", **save_args) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **save_args)
+    return buffer.getvalue()

@@ -1,0 +1,113 @@
+"""The padded static forward gives, per item, what transformers' own tower gives for that item alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from models import from_preset
+from tests.helpers import FAMILY_TINY, random_image, random_video, reference_item, reference_tower, relative_error
+
+PACKS_PER_FAMILY = 50
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILY_TINY))
+def family_setup(request):
+    encoder = from_preset(FAMILY_TINY[request.param], seed=1)
+    return encoder, reference_tower(encoder)
+
+
+def random_item(rng: np.random.Generator, encoder):
+    """A resized uint8 item and its spec: images of random size and aspect ratio, or short videos."""
+    pre = encoder.preprocessor
+    if rng.random() < 0.25:
+        frames = int(rng.integers(2, 7))
+        clip = random_video(rng, frames, int(rng.integers(40, 160)), int(rng.integers(40, 160)))
+        resized = pre.resize_video(clip)
+        return resized, pre.spec("video", frames, *resized.shape[-2:])
+    aspect = float(np.exp(rng.uniform(np.log(1 / 12), np.log(12))))
+    area = float(rng.uniform(20 * 20, 420 * 420))
+    height = max(1, int(round((area / aspect) ** 0.5)))
+    width = max(1, int(round((area * aspect) ** 0.5)))
+    resized = pre.resize_image(random_image(rng, height, width))
+    return resized, pre.spec("image", 1, *resized.shape[-2:])
+
+
+def test_padded_packs_match_transformers_per_item(family_setup):
+    encoder, reference = family_setup
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for _ in range(PACKS_PER_FAMILY):
+        modality = "video" if rng.random() < 0.3 else "image"
+        items = []
+        while len(items) < int(rng.integers(1, 9)):
+            resized, spec = random_item(rng, encoder)
+            if spec.modality == modality:
+                items.append((resized, spec))
+        specs = [spec for _, spec in items]
+        tokens = sum(s.output_tokens for s in specs)
+        budget = 1 << (tokens + int(rng.integers(0, 300))).bit_length()
+        max_seqlen = max(max(s.frame_patches for s in specs), int(rng.integers(16, 2048)))
+        layout = encoder.pack_layout(budget, max_seqlen)
+
+        pixel_values = [encoder.preprocessor.pixel_values([r], modality) for r, _ in items]
+        buffer = torch.full((budget * encoder.merge_unit, encoder.patch_dim), 0.0)
+        buffer[: sum(p.shape[0] for p in pixel_values)] = torch.cat(pixel_values)
+        out = encoder.forward_padded(buffer, encoder.pack_metadata(specs, layout), layout)
+
+        start = 0
+        for pixels, spec in zip(pixel_values, specs):
+            expected, expected_deepstack = reference_item(reference, pixels, spec.grid_thw)
+            got = out.tokens[start : start + spec.output_tokens]
+            assert got.shape == expected.shape
+            worst = max(worst, relative_error(got, expected))
+            if expected_deepstack is not None:
+                got_deepstack = out.deepstack[:, start : start + spec.output_tokens]
+                worst = max(worst, relative_error(got_deepstack, expected_deepstack))
+            else:
+                assert out.deepstack is None
+            start += spec.output_tokens
+    print(f"{encoder.family}: worst relative error {worst:.2e}")
+    assert worst <= TOLERANCE, f"{encoder.family}: worst relative error {worst:.2e}"
+
+
+def test_eager_forward_matches_transformers(family_setup):
+    encoder, reference = family_setup
+    rng = np.random.default_rng(1)
+    items = [random_item(rng, encoder) for _ in range(6)]
+    for modality in ("image", "video"):
+        chosen = [(r, s) for r, s in items if s.modality == modality] or [
+            (encoder.preprocessor.resize_image(random_image(rng, 90, 300)), None)
+        ]
+        if chosen[0][1] is None:
+            resized = chosen[0][0]
+            chosen = [(resized, encoder.preprocessor.spec("image", 1, *resized.shape[-2:]))]
+        pixels = encoder.preprocessor.pixel_values([r for r, _ in chosen], modality)
+        out = encoder.forward_eager(pixels, [s for _, s in chosen])
+        start = row = 0
+        for resized, spec in chosen:
+            expected, _ = reference_item(reference, pixels[row : row + spec.input_patches], spec.grid_thw)
+            assert relative_error(out.tokens[start : start + spec.output_tokens], expected) <= TOLERANCE
+            start += spec.output_tokens
+            row += spec.input_patches
+
+
+def test_padding_content_cannot_leak_into_real_rows(family_setup):
+    """Garbage (huge values) in the padding rows leaves the real items' outputs unchanged."""
+    encoder, _ = family_setup
+    rng = np.random.default_rng(2)
+    resized = encoder.preprocessor.resize_image(random_image(rng, 200, 260))
+    spec = encoder.preprocessor.spec("image", 1, *resized.shape[-2:])
+    pixels = encoder.preprocessor.pixel_values([resized], "image")
+    layout = encoder.pack_layout(512, 1024)
+    metadata = encoder.pack_metadata([spec], layout)
+    clean = torch.zeros(512 * encoder.merge_unit, encoder.patch_dim)
+    clean[: spec.input_patches] = pixels
+    dirty = clean.clone()
+    dirty[spec.input_patches :] = 1e4
+    a = encoder.forward_padded(clean, metadata, layout).tokens[: spec.output_tokens]
+    b = encoder.forward_padded(dirty, metadata, layout).tokens[: spec.output_tokens]
+    assert torch.isfinite(b).all()
+    assert relative_error(b, a) <= 1e-6
