@@ -94,8 +94,14 @@ class VisionEncoder(Protocol):
     """Width of one output token."""
     num_deepstack: int
     """Deepstack feature maps returned per item (0 when the family has none)."""
+    min_segment_patches: int
+    """Fewest patches one frame can have after preprocessing (bounds attention-segment counts)."""
     dtype: torch.dtype
     device: torch.device
+
+    def pack_layout(self, token_budget: int, max_seqlen: int) -> PackLayout:
+        """The static layout (and buffer capacities) for packs of this budget and segment length."""
+        ...
 
     def metadata_specs(self, layout: PackLayout) -> Mapping[str, TensorSpec]:
         """Static metadata buffers a graph for `layout` needs (pixels excluded)."""

@@ -17,7 +17,7 @@ import torch
 from transformers.vision_utils import get_vision_position_ids
 
 from . import attention
-from .layout import pad_rows, padded_cu_seqlens, segment_capacity
+from .layout import cat_rows, pad_rows, padded_cu_seqlens, segment_capacity
 from .processing import ResizeRules, VisionPreprocessor
 from .protocol import EncoderOutput, ItemSpec, PackCapacityError, PackLayout, TensorSpec
 
@@ -92,7 +92,7 @@ class QwenVisionEncoder:
         """The unpadded layout of exactly these items (used by the eager path)."""
         tokens = sum(s.output_tokens for s in specs)
         segments = sum(s.grid_thw[0] for s in specs)
-        return PackLayout(tokens, max(s.frame_patches for s in specs), segments)
+        return PackLayout(tokens, max((s.frame_patches for s in specs), default=1), segments)
 
     def metadata_specs(self, layout: PackLayout) -> dict[str, TensorSpec]:
         rows = layout.token_budget * self.merge_unit
@@ -107,7 +107,7 @@ class QwenVisionEncoder:
         if used > rows:
             raise PackCapacityError(f"{used} patches exceed the layout's {rows}")
         lengths = [s.frame_patches for s in specs for _ in range(s.grid_thw[0])]
-        position_ids = torch.cat([_position_ids(s.grid_thw, self.spatial_merge_size) for s in specs])
+        position_ids = cat_rows([_position_ids(s.grid_thw, self.spatial_merge_size) for s in specs], 2, torch.int64)
         return {
             "position_ids": pad_rows(position_ids, rows),
             "cu_seqlens": padded_cu_seqlens(lengths, rows, layout.max_seqlen, layout.max_segments),

@@ -19,7 +19,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditional
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
-from .layout import pad_rows
+from .layout import cat_rows, pad_rows
 from .processing import InvalidItemError, ResizeRules
 from .protocol import EncoderOutput, ItemSpec, PackLayout, TensorSpec
 from .qwen import QwenVisionEncoder
@@ -89,8 +89,9 @@ class Qwen3VLEncoder(QwenVisionEncoder):
         metadata = super().pack_metadata(specs, layout)
         rows = layout.token_budget * self.merge_unit
         pieces = [self._interpolation(s) for s in specs]
-        metadata["interp_indices"] = pad_rows(torch.cat([p[0] for p in pieces]), rows)
-        metadata["interp_weights"] = pad_rows(torch.cat([p[1] for p in pieces]), rows)
+        taps = self.metadata_specs(layout)["interp_indices"].shape[1]
+        metadata["interp_indices"] = pad_rows(cat_rows([p[0] for p in pieces], taps, torch.int64), rows)
+        metadata["interp_weights"] = pad_rows(cat_rows([p[1] for p in pieces], taps, torch.float32), rows)
         return metadata
 
     def _tower_kwargs(self, metadata: Mapping[str, torch.Tensor], layout: PackLayout) -> dict:

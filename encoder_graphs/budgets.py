@@ -1,0 +1,71 @@
+"""Token budgets and attention-length buckets: pure functions, no torch.
+
+A budget counts output tokens (after the spatial merge). A graph is specialised to a
+(token_budget, max_seqlen) pair; `max_seqlen` is counted in input patches (the attention
+segment length) and bucketed so that a pack of small items never pays for the kernel grid
+of the largest possible item.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import Sequence
+
+
+class BudgetConfigError(ValueError):
+    """A token-budget configuration that cannot work; the message says how to fix it."""
+
+
+def auto_ladder(min_tokens: int, max_tokens: int, growth: float = 2.0) -> tuple[int, ...]:
+    """Budgets growing by `growth` from `min_tokens` up to and including `max_tokens`."""
+    if min_tokens < 1:
+        raise BudgetConfigError(f"smallest budget must be >= 1 token, got {min_tokens}")
+    if max_tokens < min_tokens:
+        raise BudgetConfigError(
+            f"max_budget_tokens={max_tokens} is below the model's smallest item ({min_tokens} tokens); "
+            f"set max_budget_tokens >= {min_tokens}"
+        )
+    if growth <= 1.0:
+        raise BudgetConfigError(f"budget growth must be > 1, got {growth}")
+    budgets = [min_tokens]
+    while budgets[-1] < max_tokens:
+        budgets.append(min(max(int(budgets[-1] * growth), budgets[-1] + 1), max_tokens))
+    return tuple(budgets)
+
+
+def validate_ladder(budgets: Sequence[int], max_items_per_pack: int) -> tuple[int, ...]:
+    """Sorted unique budgets; every item of a pack must be able to get >= 1 token of the smallest."""
+    if not budgets:
+        raise BudgetConfigError("the budget list is empty; give at least one token budget")
+    if any(b < 1 for b in budgets):
+        raise BudgetConfigError(f"token budgets must be >= 1, got {sorted(budgets)}")
+    ladder = tuple(sorted(set(budgets)))
+    if max_items_per_pack < 1:
+        raise BudgetConfigError(f"max_items_per_pack must be >= 1, got {max_items_per_pack}")
+    # Invariant: max_items_per_pack <= smallest budget, so a full pack of the smallest items fits.
+    if max_items_per_pack > ladder[0]:
+        raise BudgetConfigError(
+            f"max_items_per_pack={max_items_per_pack} exceeds the smallest token budget {ladder[0]}; "
+            f"lower max_items_per_pack to <= {ladder[0]} or raise the smallest budget"
+        )
+    return ladder
+
+
+def fitting_budget(ladder: Sequence[int], tokens: int) -> int | None:
+    """The smallest budget >= `tokens`, or None when the pack is larger than every budget."""
+    index = bisect_left(ladder, tokens)
+    return ladder[index] if index < len(ladder) else None
+
+
+def seqlen_buckets(min_seqlen: int, max_seqlen: int, growth: int = 2) -> tuple[int, ...]:
+    """Attention-length buckets: powers of `growth` times `min_seqlen`, capped by `max_seqlen`."""
+    buckets = [min(min_seqlen, max_seqlen)]
+    while buckets[-1] < max_seqlen:
+        buckets.append(min(buckets[-1] * growth, max_seqlen))
+    return tuple(buckets)
+
+
+def buckets_for_budget(buckets: Sequence[int], budget_rows: int) -> tuple[int, ...]:
+    """The buckets a graph of `budget_rows` input rows can use (no segment exceeds the pack)."""
+    usable = [b for b in buckets if b < budget_rows]
+    return (*usable, budget_rows) if not usable or usable[-1] != budget_rows else tuple(usable)

@@ -1,0 +1,78 @@
+"""Packing queued items into packs that fill token budgets: pure functions, no torch.
+
+Rules (property-tested):
+- every item lands in exactly one pack;
+- a pack holds one modality;
+- a pack's tokens fit the largest budget and it holds at most `max_items` items;
+- oldest first: packs are formed in arrival order, the oldest waiting item always starts
+  the next pack, and later items join it only where they fit (first fit);
+- an item larger than the largest budget goes alone, flagged to run eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+from .budgets import fitting_budget
+
+
+@dataclass(frozen=True)
+class PackItem:
+    """A queued item as the packer sees it."""
+
+    key: Hashable
+    """Caller's handle for the item (unique within one call)."""
+    modality: str
+    """"image" or "video"; packs never mix modalities."""
+    output_tokens: int
+    """Tokens the item produces (its share of a budget)."""
+
+
+@dataclass(frozen=True)
+class Pack:
+    """Items that run together in one forward."""
+
+    items: tuple[PackItem, ...]
+    token_budget: int | None
+    """The smallest budget that fits the pack; None for an oversize item that runs eagerly."""
+
+    @property
+    def tokens(self) -> int:
+        return sum(item.output_tokens for item in self.items)
+
+    @property
+    def modality(self) -> str:
+        return self.items[0].modality
+
+    @property
+    def fill(self) -> float:
+        """Share of the budget that real tokens use (1.0 for eager packs)."""
+        return 1.0 if self.token_budget is None else self.tokens / self.token_budget
+
+
+def pack_items(queue: Sequence[PackItem], ladder: Sequence[int], max_items: int) -> list[Pack]:
+    """Pack `queue` (oldest first) into packs for the budget `ladder`."""
+    largest = ladder[-1]
+    remaining = list(queue)
+    packs: list[Pack] = []
+    while remaining:
+        first = remaining.pop(0)
+        if first.output_tokens > largest:
+            packs.append(Pack((first,), None))
+            continue
+        chosen, tokens, rest = [first], first.output_tokens, []
+        for item in remaining:
+            fits = (
+                item.modality == first.modality
+                and len(chosen) < max_items
+                and tokens + item.output_tokens <= largest
+            )
+            if fits:
+                chosen.append(item)
+                tokens += item.output_tokens
+            else:
+                rest.append(item)
+        remaining = rest
+        packs.append(Pack(tuple(chosen), fitting_budget(ladder, tokens)))
+    return packs

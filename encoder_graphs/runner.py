@@ -1,0 +1,328 @@
+"""The encoder runner: per-(budget, max_seqlen) CUDA graphs over shared static buffers.
+
+`EncoderRunner.run(pixel_values, specs)` runs one pack (one modality) and returns per-item
+outputs. It picks the smallest budget that fits and the smallest attention-length bucket
+that holds the pack's longest frame, copies the pack into that graph's static buffers
+(padding rows zeroed), replays, and copies the used rows out so the next replay cannot
+overwrite them. It runs eagerly instead when the pack is larger than every budget, when
+no graph fits (or the CPU, where there are no graphs), or when the costs measured at
+startup say eager is faster for a pack of this size.
+
+On CPU the same buffers, padding and slicing run through `forward_padded` without graphs,
+so CI covers everything but the capture itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from models.protocol import EncoderOutput, ItemOutput, ItemSpec, PackCapacityError, PackLayout, TensorSpec, VisionEncoder
+
+from .budgets import auto_ladder, buckets_for_budget, fitting_budget, seqlen_buckets, validate_ladder
+from .buffers import StaticBuffers
+from .memory import MemoryReport, check_fits, fit_memory_model, measure_peak_bytes
+from .selfcheck import relative_error, synthetic_pixels, synthetic_specs, time_ms
+from .stats import RunnerStats
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_ITEMS = 64
+GraphKey = tuple[int, int]
+"""(token_budget, max_seqlen)."""
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """How a runner lays out budgets and graphs (validated by the deployment's pydantic config)."""
+
+    max_budget_tokens: int = 8192
+    """Largest token budget (output tokens); larger packs run eagerly."""
+    budgets: tuple[int, ...] | None = None
+    """Explicit budget list; None: automatic ladder from `min_budget_tokens`."""
+    min_budget_tokens: int = 64
+    """Smallest budget of the automatic ladder (raised to the model's smallest item)."""
+    budget_growth: float = 2.0
+    """Ratio between consecutive budgets of the automatic ladder."""
+    max_items_per_pack: int | None = None
+    """Most items one pack may hold; must be <= the smallest budget. None: min(64, smallest budget)."""
+    min_seqlen_bucket: int = 256
+    """Smallest attention-length bucket, in patches; buckets double from it."""
+    cuda_graphs: bool = True
+    """Capture CUDA graphs (CUDA only; on CPU packs run padded without graphs)."""
+    self_check: bool = True
+    """Replay each graph on a synthetic pack at startup; disable any that disagrees with eager."""
+    self_check_tolerance: float = 0.05
+    """Largest relative error (max abs diff / max abs value) a graph may show against eager."""
+    memory_fraction: float = 0.8
+    """Share of free GPU memory the graphs and static buffers may take."""
+
+
+@dataclass
+class GraphEntry:
+    """One (budget, max_seqlen) slot: its layout, buffer views and, on CUDA, its graph."""
+
+    key: GraphKey
+    layout: PackLayout
+    inputs: dict[str, torch.Tensor]
+    outputs: dict[str, torch.Tensor]
+    graph: torch.cuda.CUDAGraph | None = None
+    enabled: bool = True
+    replay_ms: float = math.nan
+    eager_ms: float = math.nan
+    self_check_error: float = math.nan
+
+
+def build_ladder(config: GraphConfig, smallest_item_tokens: int) -> tuple[tuple[int, ...], int]:
+    """(budget ladder, max items per pack) for a model whose smallest item has this many tokens."""
+    if config.budgets is not None:
+        ladder = tuple(config.budgets)
+    else:
+        start = max(min(config.min_budget_tokens, config.max_budget_tokens), smallest_item_tokens)
+        ladder = auto_ladder(start, config.max_budget_tokens, config.budget_growth)
+    max_items = config.max_items_per_pack
+    if max_items is None:
+        max_items = min(DEFAULT_MAX_ITEMS, min(ladder, default=1))
+    return validate_ladder(ladder, max_items), max_items
+
+
+class EncoderRunner:
+    """Runs packs of one encoder through captured graphs (CUDA) or padded buffers (CPU)."""
+
+    def __init__(self, encoder: VisionEncoder, config: GraphConfig = GraphConfig()):
+        self.encoder = encoder
+        self.config = config
+        self.device = encoder.device
+        smallest = max(1, encoder.min_segment_patches // encoder.merge_unit)
+        self.ladder, self.max_items = build_ladder(config, smallest)
+        self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
+        self.stats = RunnerStats()
+        self.memory = MemoryReport()
+        self.capture_seconds = 0.0
+        buckets = seqlen_buckets(config.min_seqlen_bucket, self.ladder[-1] * encoder.merge_unit)
+        layouts = [
+            encoder.pack_layout(budget, seqlen)
+            for budget in self.ladder
+            for seqlen in buckets_for_budget(buckets, budget * encoder.merge_unit)
+        ]
+        specs = {(lay.token_budget, lay.max_seqlen): self._input_specs(lay) for lay in layouts}
+        out_specs = {(lay.token_budget, lay.max_seqlen): self._output_specs(lay) for lay in layouts}
+        self._inputs = StaticBuffers(specs.values(), self.device)
+        self._outputs = StaticBuffers(out_specs.values(), self.device)
+        self.memory.static_buffer_bytes = self._inputs.nbytes + self._outputs.nbytes
+        self.entries: dict[GraphKey, GraphEntry] = {
+            key: GraphEntry(key, lay, self._inputs.views(specs[key]), self._outputs.views(out_specs[key]))
+            for key, lay in zip(specs, layouts)
+        }
+        self._by_budget = {
+            budget: sorted((e for e in self.entries.values() if e.key[0] == budget), key=lambda e: e.key[1])
+            for budget in self.ladder
+        }
+        self._pool = None
+
+    # ---- layout of the static buffers ----
+
+    def _input_specs(self, layout: PackLayout) -> dict[str, TensorSpec]:
+        rows = layout.token_budget * self.encoder.merge_unit
+        pixels = TensorSpec((rows, self.encoder.patch_dim), self.encoder.dtype)
+        return {"pixel_values": pixels, **self.encoder.metadata_specs(layout)}
+
+    def _output_specs(self, layout: PackLayout) -> dict[str, TensorSpec]:
+        out = {"tokens": TensorSpec((layout.token_budget, self.encoder.out_hidden), self.encoder.dtype)}
+        if self.encoder.num_deepstack:
+            shape = (self.encoder.num_deepstack, layout.token_budget, self.encoder.out_hidden)
+            out["deepstack"] = TensorSpec(shape, self.encoder.dtype)
+        return out
+
+    # ---- startup ----
+
+    def capture(self, progress: Callable[[str], None] = logger.info) -> MemoryReport:
+        """Capture every graph (largest first, one shared pool), then self-check. CPU: self-check only."""
+        start = time.perf_counter()
+        if self.use_graphs:
+            self._check_memory()
+            self._pool = torch.cuda.graph_pool_handle()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            order = sorted(self.entries, reverse=True)
+            for index, key in enumerate(order, 1):
+                before = torch.cuda.memory_reserved(self.device)
+                self._capture_entry(self.entries[key])
+                self.memory.graph_bytes[key] = torch.cuda.memory_reserved(self.device) - before
+                progress(
+                    f"captured graph {index}/{len(order)}: budget {key[0]} tokens, max_seqlen {key[1]} "
+                    f"(+{self.memory.graph_bytes[key] / 2**20:.1f} MiB)"
+                )
+            self.memory.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)
+        if self.use_graphs and self.config.self_check:
+            self.self_check(progress)
+        self.capture_seconds = time.perf_counter() - start
+        progress(f"graphs ready in {self.capture_seconds:.1f} s: {self.memory.summary()}")
+        return self.memory
+
+    def _check_memory(self) -> None:
+        samples = []
+        for budget in self.ladder[:2] if len(self.ladder) > 1 else self.ladder:
+            specs = synthetic_specs(budget, budget * self.encoder.merge_unit, self.encoder.merge_unit, 1)
+            pixels = synthetic_pixels(specs, self.encoder.patch_dim, self.device)
+            samples.append((budget, measure_peak_bytes(lambda: self.encoder.forward_eager(pixels, specs), self.device)))
+        model = fit_memory_model(samples)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        self.memory.predicted_pool_bytes = check_fits(
+            model, self.ladder, self.memory.static_buffer_bytes, free, self.config.memory_fraction
+        )
+
+    def _forward_into_outputs(self, entry: GraphEntry) -> None:
+        metadata = {name: t for name, t in entry.inputs.items() if name != "pixel_values"}
+        out = self.encoder.forward_padded(entry.inputs["pixel_values"], metadata, entry.layout)
+        entry.outputs["tokens"].copy_(out.tokens)
+        if out.deepstack is not None:
+            entry.outputs["deepstack"].copy_(out.deepstack)
+
+    def _capture_entry(self, entry: GraphEntry) -> None:
+        empty = torch.zeros(0, self.encoder.patch_dim, device=self.device)
+        self._fill(entry, empty, self.encoder.pack_metadata([], entry.layout))
+        # Warm up outside capture (kernel selection, cuDNN plans, workspaces), then capture.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._forward_into_outputs(entry)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._forward_into_outputs(entry)
+        entry.graph = graph
+
+    def self_check(self, progress: Callable[[str], None] = logger.info) -> None:
+        """Replay each graph on a synthetic pack; disable it if it disagrees with eager or is not finite."""
+        for key in sorted(self.entries):
+            entry = self.entries[key]
+            specs = synthetic_specs(*key, self.encoder.merge_unit, self.max_items)
+            pixels = synthetic_pixels(specs, self.encoder.patch_dim, self.device, seed=key[0] + key[1])
+            tokens = sum(s.output_tokens for s in specs)
+            eager = self.encoder.forward_eager(pixels, specs)
+            self._fill(entry, pixels, self.encoder.pack_metadata(specs, entry.layout))
+            self._execute(entry)
+            got = entry.outputs["tokens"][:tokens]
+            error = relative_error(got, eager.tokens)
+            if eager.deepstack is not None:
+                error = max(error, relative_error(entry.outputs["deepstack"][:, :tokens], eager.deepstack))
+            entry.self_check_error = error
+            if not math.isfinite(error) or error > self.config.self_check_tolerance:
+                self._disable(entry, f"self-check error {error:.3g} > {self.config.self_check_tolerance}")
+                continue
+            if self.use_graphs:
+                entry.replay_ms = time_ms(lambda: self._execute(entry), self.device)
+                entry.eager_ms = time_ms(lambda: self.encoder.forward_eager(pixels, specs), self.device, repeats=2)
+        enabled = sum(e.enabled for e in self.entries.values())
+        progress(f"self-check: {enabled}/{len(self.entries)} graphs enabled")
+
+    def _disable(self, entry: GraphEntry, why: str) -> None:
+        entry.enabled = False
+        self.stats.disabled_graphs += 1
+        logger.warning("disabled graph budget=%d max_seqlen=%d: %s", *entry.key, why)
+
+    # ---- serving ----
+
+    def run(self, pixel_values: torch.Tensor, specs: Sequence[ItemSpec]) -> list[ItemOutput]:
+        """Encode one pack (`pixel_values` rows in item order) and return one output per item."""
+        self.stats.packs += 1
+        self.stats.items += len(specs)
+        tokens = sum(s.output_tokens for s in specs)
+        budget = fitting_budget(self.ladder, tokens)
+        entry, metadata_or_reason = self._select(specs, tokens, budget)
+        if entry is None:
+            self.stats.record_eager(metadata_or_reason, budget)
+            return self._split(self.encoder.forward_eager(pixel_values, specs), specs)
+        self._fill(entry, pixel_values, metadata_or_reason)
+        self._execute(entry)
+        out = self._take(entry, tokens)
+        if self.use_graphs and not bool(torch.isfinite(out.tokens).all()):
+            eager = self.encoder.forward_eager(pixel_values, specs)
+            if bool(torch.isfinite(eager.tokens).all()):
+                self._disable(entry, "non-finite output at run time")
+            self.stats.record_eager("nonfinite", budget)
+            return self._split(eager, specs)
+        self.stats.record_graph(entry.key[0], tokens)
+        return self._split(out, specs)
+
+    def _select(self, specs: Sequence[ItemSpec], tokens: int, budget: int | None):
+        """(entry, the pack's host metadata for it) or (None, the reason to run eagerly)."""
+        if budget is None:
+            return None, "oversize"
+        longest = max(s.frame_patches for s in specs)
+        candidates = [e for e in self._by_budget[budget] if e.key[1] >= longest and e.enabled]
+        if not candidates:
+            return None, "no_graph"
+        if self.use_graphs and candidates[0].replay_ms > self._eager_estimate_ms(candidates[0], tokens):
+            return None, "cost"
+        for entry in candidates:
+            try:
+                return entry, self.encoder.pack_metadata(specs, entry.layout)
+            except PackCapacityError:
+                continue
+        return None, "capacity"
+
+    def _eager_estimate_ms(self, entry: GraphEntry, tokens: int) -> float:
+        """Eager time of a pack of `tokens`, interpolated between full packs measured at startup."""
+        budget, seqlen = entry.key
+        if math.isnan(entry.eager_ms):
+            return math.inf  # not measured (self-check off): trust the graph
+        index = self.ladder.index(budget)
+        if index == 0:
+            return entry.eager_ms
+        previous = self.ladder[index - 1]
+        lower = [e for e in self._by_budget[previous] if e.key[1] <= seqlen and not math.isnan(e.eager_ms)]
+        if not lower:
+            return entry.eager_ms
+        share = (tokens - previous) / (budget - previous)
+        return lower[-1].eager_ms + (entry.eager_ms - lower[-1].eager_ms) * share
+
+    def _fill(self, entry: GraphEntry, pixel_values: torch.Tensor, metadata: dict[str, torch.Tensor]) -> None:
+        """Copy a pack into the entry's static inputs; padding rows are zeroed."""
+        for name, host in metadata.items():
+            entry.inputs[name].copy_(host, non_blocking=True)
+        static = entry.inputs["pixel_values"]
+        static[: pixel_values.shape[0]].copy_(pixel_values)
+        static[pixel_values.shape[0] :].zero_()
+
+    def _execute(self, entry: GraphEntry) -> None:
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:
+            self._forward_into_outputs(entry)
+
+    def _take(self, entry: GraphEntry, tokens: int) -> EncoderOutput:
+        """The used output rows, copied out of the shared static outputs."""
+        deepstack = entry.outputs.get("deepstack")
+        return EncoderOutput(
+            tokens=entry.outputs["tokens"][:tokens].clone(),
+            deepstack=None if deepstack is None else deepstack[:, :tokens].clone(),
+        )
+
+    @staticmethod
+    def _split(out: EncoderOutput, specs: Sequence[ItemSpec]) -> list[ItemOutput]:
+        results, start = [], 0
+        for spec in specs:
+            end = start + spec.output_tokens
+            deepstack = None if out.deepstack is None else out.deepstack[:, start:end]
+            results.append(ItemOutput(tokens=out.tokens[start:end], deepstack=deepstack))
+            start = end
+        return results
+
+    def describe(self) -> dict:
+        """Budgets, graphs and stats for `/v1/models` and logs."""
+        return {
+            "budgets": list(self.ladder),
+            "max_items_per_pack": self.max_items,
+            "cuda_graphs": self.use_graphs,
+            "graphs": len(self.entries),
+            "graphs_enabled": sum(e.enabled for e in self.entries.values()),
+            "capture_seconds": round(self.capture_seconds, 2),
+            "memory": self.memory.summary() if self.use_graphs else None,
+            "stats": self.stats.snapshot(),
+        }

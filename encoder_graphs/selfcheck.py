@@ -1,0 +1,55 @@
+"""Synthetic packs for the startup self-check and for timing graphs against eager runs."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import torch
+
+from models.protocol import ItemSpec
+
+
+def synthetic_specs(token_budget: int, max_seqlen: int, merge_unit: int, max_items: int) -> list[ItemSpec]:
+    """Square image items whose frames are as long as `max_seqlen` allows, filling the budget."""
+    merge = math.isqrt(merge_unit)
+    side = max(merge, math.isqrt(max_seqlen) // merge * merge)
+    item_patches = side * side
+    count = max(1, min(max_items, token_budget * merge_unit // item_patches))
+    spec = ItemSpec("image", (1, side, side), item_patches, item_patches // merge_unit)
+    specs = [spec] * count
+    left = token_budget * merge_unit - count * item_patches
+    if count < max_items and left >= merge_unit:
+        rows = max(merge, min(side, left // side // merge * merge))
+        if rows * side <= left:
+            specs.append(ItemSpec("image", (1, rows, side), rows * side, rows * side // merge_unit))
+    return specs
+
+
+def synthetic_pixels(specs: list[ItemSpec], patch_dim: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    """Normalized-pixel-like values (mean 0, std 1) for the specs."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    rows = sum(s.input_patches for s in specs)
+    return torch.randn(rows, patch_dim, generator=generator).to(device)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.float()
+    scale = expected.abs().max().clamp_min(1e-12)
+    return ((actual.float() - expected).abs().max() / scale).item()
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
+    """Median wall time of `fn` in milliseconds, after one warm-up call, synchronized."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append((time.perf_counter() - start) * 1e3)
+    return sorted(samples)[len(samples) // 2]

@@ -1,0 +1,62 @@
+"""Counters of what the runner did: graph hits and misses, padding waste, eager fallbacks."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+EAGER_REASONS = (
+    "oversize",  # the pack is larger than the largest budget
+    "no_graph",  # no captured graph fits (CPU, graphs off, or disabled by the self-check)
+    "capacity",  # the pack has more attention segments than the fitting graph's buffers hold
+    "cost",  # the measured costs say eager is faster for this pack
+    "nonfinite",  # the graph produced NaN/inf at run time; the pack was recomputed eagerly
+)
+
+
+@dataclass
+class RunnerStats:
+    """Cumulative counters; `snapshot()` gives a plain dict for metrics and `/v1/models`."""
+
+    graph_hits: Counter = field(default_factory=Counter)
+    """Packs served by a graph, per token budget."""
+    graph_misses: Counter = field(default_factory=Counter)
+    """Packs that fit a budget but ran eagerly, per token budget."""
+    eager_fallbacks: Counter = field(default_factory=Counter)
+    """Eager runs per reason (see EAGER_REASONS)."""
+    real_tokens: int = 0
+    """Output tokens of real items computed by graphs."""
+    padded_tokens: int = 0
+    """Output tokens of padding computed by graphs."""
+    disabled_graphs: int = 0
+    """Graphs disabled by the self-check or at run time."""
+    packs: int = 0
+    items: int = 0
+
+    def record_graph(self, budget: int, real_tokens: int) -> None:
+        self.graph_hits[budget] += 1
+        self.real_tokens += real_tokens
+        self.padded_tokens += budget - real_tokens
+
+    def record_eager(self, reason: str, budget: int | None) -> None:
+        assert reason in EAGER_REASONS, reason
+        self.eager_fallbacks[reason] += 1
+        if budget is not None:
+            self.graph_misses[budget] += 1
+
+    @property
+    def padding_waste(self) -> float:
+        """Padded tokens / computed tokens over all graph replays."""
+        computed = self.real_tokens + self.padded_tokens
+        return self.padded_tokens / computed if computed else 0.0
+
+    def snapshot(self) -> dict:
+        return {
+            "packs": self.packs,
+            "items": self.items,
+            "graph_hits": dict(self.graph_hits),
+            "graph_misses": dict(self.graph_misses),
+            "eager_fallbacks": {reason: self.eager_fallbacks[reason] for reason in EAGER_REASONS},
+            "padding_waste": round(self.padding_waste, 4),
+            "disabled_graphs": self.disabled_graphs,
+        }

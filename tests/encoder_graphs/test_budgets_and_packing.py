@@ -1,0 +1,114 @@
+"""Property tests of the budget ladder, budget fitting and packing."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from encoder_graphs.budgets import (
+    BudgetConfigError,
+    auto_ladder,
+    buckets_for_budget,
+    fitting_budget,
+    seqlen_buckets,
+    validate_ladder,
+)
+from encoder_graphs.packing import PackItem, pack_items
+
+
+@given(st.integers(1, 5000), st.integers(1, 70000), st.sampled_from([1.25, 1.5, 2.0, 3.0]))
+def test_auto_ladder_grows_from_smallest_item_to_maximum(min_tokens, max_tokens, growth):
+    if max_tokens < min_tokens:
+        with pytest.raises(BudgetConfigError, match=f"set max_budget_tokens >= {min_tokens}"):
+            auto_ladder(min_tokens, max_tokens, growth)
+        return
+    ladder = auto_ladder(min_tokens, max_tokens, growth)
+    assert ladder[0] == min_tokens and ladder[-1] == max_tokens
+    assert all(b < c <= max(int(b * growth), b + 1) for b, c in zip(ladder, ladder[1:]))
+
+
+def test_auto_ladder_doubles_by_default():
+    assert auto_ladder(64, 8192) == (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    assert auto_ladder(64, 1000) == (64, 128, 256, 512, 1000)
+
+
+@given(st.lists(st.integers(1, 10000), min_size=1, max_size=12), st.integers(1, 64))
+def test_validate_ladder_sorts_and_enforces_items_per_pack(budgets, max_items):
+    if max_items > min(budgets):
+        with pytest.raises(BudgetConfigError, match=f"lower max_items_per_pack to <= {min(budgets)}"):
+            validate_ladder(budgets, max_items)
+        return
+    ladder = validate_ladder(budgets, max_items)
+    assert list(ladder) == sorted(set(budgets))
+
+
+def test_validate_ladder_rejects_empty_and_non_positive():
+    with pytest.raises(BudgetConfigError, match="empty"):
+        validate_ladder([], 1)
+    with pytest.raises(BudgetConfigError, match=">= 1"):
+        validate_ladder([0, 64], 1)
+
+
+@given(st.lists(st.integers(1, 10000), min_size=1, max_size=12, unique=True), st.integers(0, 12000))
+def test_fitting_budget_is_the_smallest_that_fits(budgets, tokens):
+    ladder = tuple(sorted(budgets))
+    found = fitting_budget(ladder, tokens)
+    fitting = [b for b in ladder if b >= tokens]
+    assert found == (min(fitting) if fitting else None)
+
+
+@given(st.integers(1, 4096), st.integers(1, 70000))
+def test_seqlen_buckets_cover_every_length(min_seqlen, max_seqlen):
+    buckets = seqlen_buckets(min_seqlen, max_seqlen)
+    assert buckets[-1] == max_seqlen and list(buckets) == sorted(set(buckets))
+    for rows in (1000, max_seqlen):
+        usable = buckets_for_budget(buckets, rows)
+        assert usable[-1] == rows and all(b <= rows for b in usable)
+
+
+items_strategy = st.lists(
+    st.tuples(st.sampled_from(["image", "video"]), st.integers(1, 3000)), min_size=0, max_size=60
+)
+
+
+@settings(max_examples=300)
+@given(items_strategy, st.lists(st.integers(4, 2048), min_size=1, max_size=6, unique=True), st.integers(1, 16))
+def test_packing_invariants(raw_items, budgets, max_items):
+    ladder = tuple(sorted(budgets))
+    max_items = min(max_items, ladder[0])
+    queue = [PackItem(i, modality, tokens) for i, (modality, tokens) in enumerate(raw_items)]
+    packs = pack_items(queue, ladder, max_items)
+
+    # every item exactly once
+    assert sorted(item.key for pack in packs for item in pack.items) == list(range(len(queue)))
+    first_keys = []
+    for pack in packs:
+        assert len({item.modality for item in pack.items}) == 1
+        assert len(pack.items) <= max_items
+        keys = [item.key for item in pack.items]
+        assert keys == sorted(keys)  # arrival order inside a pack
+        first_keys.append(keys[0])
+        if pack.token_budget is None:
+            assert len(pack.items) == 1 and pack.tokens > ladder[-1]
+        else:
+            assert pack.tokens <= pack.token_budget
+            assert pack.token_budget == fitting_budget(ladder, pack.tokens)
+    # oldest first: each pack starts with the oldest item not in an earlier pack
+    placed: set[int] = set()
+    for pack, first in zip(packs, first_keys):
+        assert first == min(set(range(len(queue))) - placed)
+        placed.update(item.key for item in pack.items)
+
+
+def test_small_items_share_a_pack_and_oversize_goes_alone():
+    queue = [
+        PackItem("a", "image", 100),
+        PackItem("big", "image", 9000),
+        PackItem("b", "image", 200),
+        PackItem("v", "video", 300),
+        PackItem("c", "image", 50),
+    ]
+    packs = pack_items(queue, (64, 256, 1024), max_items=8)
+    assert [[i.key for i in p.items] for p in packs] == [["a", "b", "c"], ["big"], ["v"]]
+    assert [p.token_budget for p in packs] == [1024, None, 1024]

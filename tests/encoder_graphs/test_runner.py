@@ -1,0 +1,156 @@
+"""The runner's packing, buffers, padding, slicing, fallbacks and self-check, on CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from encoder_graphs.budgets import BudgetConfigError
+from encoder_graphs.runner import EncoderRunner, GraphConfig, build_ladder
+from models import from_preset
+from tests.helpers import random_image, random_video, reference_item, reference_tower, relative_error
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    encoder = from_preset("qwen3-vl-tiny", seed=4)
+    return encoder, reference_tower(encoder)
+
+
+@pytest.fixture(scope="module")
+def qwen25():
+    encoder = from_preset("qwen2.5-vl-tiny", seed=4)
+    return encoder, reference_tower(encoder)
+
+
+def make_images(encoder, rng, sizes):
+    resized = [encoder.preprocessor.resize_image(random_image(rng, h, w)) for h, w in sizes]
+    specs = [encoder.preprocessor.spec("image", 1, *r.shape[-2:]) for r in resized]
+    return encoder.preprocessor.pixel_values(resized, "image"), specs
+
+
+def assert_matches_reference(reference, pixel_values, specs, outputs, tolerance=1e-4):
+    row = 0
+    for spec, out in zip(specs, outputs):
+        expected, expected_deepstack = reference_item(reference, pixel_values[row : row + spec.input_patches], spec.grid_thw)
+        assert out.tokens.shape == expected.shape
+        assert relative_error(out.tokens, expected) <= tolerance
+        if expected_deepstack is not None:
+            assert relative_error(out.deepstack, expected_deepstack) <= tolerance
+        row += spec.input_patches
+
+
+@pytest.mark.parametrize("fixture", ["qwen3", "qwen25"])
+def test_runner_outputs_match_transformers_per_item(fixture, request):
+    encoder, reference = request.getfixturevalue(fixture)
+    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=1024, max_items_per_pack=16))
+    rng = np.random.default_rng(0)
+    for count in (1, 3, 8):
+        sizes = [(int(rng.integers(30, 400)), int(rng.integers(30, 400))) for _ in range(count)]
+        pixels, specs = make_images(encoder, rng, sizes)
+        assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+    clip = encoder.preprocessor.resize_video(random_video(rng, 4, 120, 90))
+    spec = encoder.preprocessor.spec("video", 4, *clip.shape[-2:])
+    pixels = encoder.preprocessor.pixel_values([clip], "video")
+    assert_matches_reference(reference, pixels, [spec], runner.run(pixels, [spec]))
+    assert sum(runner.stats.graph_hits.values()) == 4
+
+
+def test_oversize_pack_runs_eagerly_and_is_counted(qwen3):
+    encoder, reference = qwen3
+    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=128, min_budget_tokens=64))
+    pixels, specs = make_images(encoder, np.random.default_rng(1), [(700, 900)])
+    assert specs[0].output_tokens > 128
+    assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+    assert runner.stats.eager_fallbacks["oversize"] == 1
+    assert not runner.stats.graph_hits
+
+
+def test_outputs_survive_the_next_run(qwen3):
+    encoder, _ = qwen3
+    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=512))
+    rng = np.random.default_rng(2)
+    pixels_a, specs_a = make_images(encoder, rng, [(300, 300)])
+    first = runner.run(pixels_a, specs_a)[0].tokens
+    kept = first.clone()
+    pixels_b, specs_b = make_images(encoder, rng, [(300, 300)])
+    runner.run(pixels_b, specs_b)
+    assert torch.equal(first, kept)
+
+
+def test_stats_count_hits_per_budget_and_padding_waste(qwen3):
+    encoder, _ = qwen3
+    runner = EncoderRunner(encoder, GraphConfig(budgets=(64, 256), max_items_per_pack=8))
+    rng = np.random.default_rng(3)
+    pixels, specs = make_images(encoder, rng, [(256, 256)])  # 64 tokens: fills the 64 budget
+    runner.run(pixels, specs)
+    pixels, specs = make_images(encoder, rng, [(256, 256), (256, 320)])  # 64 + 80 = 144 -> 256
+    runner.run(pixels, specs)
+    stats = runner.stats.snapshot()
+    assert stats["graph_hits"] == {64: 1, 256: 1}
+    assert stats["padding_waste"] == pytest.approx((256 - 144) / (64 + 256))
+
+
+class BrokenAt:
+    """An encoder whose padded forward returns NaN for one token budget (a 'broken graph')."""
+
+    def __init__(self, encoder, budget):
+        self._encoder, self._budget = encoder, budget
+
+    def __getattr__(self, name):
+        return getattr(self._encoder, name)
+
+    def forward_padded(self, pixel_values, metadata, layout):
+        out = self._encoder.forward_padded(pixel_values, metadata, layout)
+        if layout.token_budget == self._budget:
+            out.tokens = out.tokens * float("nan")
+        return out
+
+
+def test_self_check_disables_a_broken_budget_and_eager_takes_over(qwen3):
+    encoder, reference = qwen3
+    runner = EncoderRunner(BrokenAt(encoder, 256), GraphConfig(budgets=(64, 256, 1024), max_items_per_pack=8))
+    runner.self_check()
+    broken = [e for e in runner.entries.values() if e.key[0] == 256]
+    assert broken and not any(e.enabled for e in broken)
+    assert all(e.enabled for e in runner.entries.values() if e.key[0] != 256)
+    assert runner.stats.disabled_graphs == len(broken)
+
+    pixels, specs = make_images(encoder, np.random.default_rng(4), [(256, 256), (256, 320)])  # 144 tokens -> 256
+    outputs = runner.run(pixels, specs)
+    assert runner.stats.eager_fallbacks["no_graph"] == 1 and runner.stats.graph_misses[256] == 1
+    assert_matches_reference(reference, pixels, specs, outputs)
+
+
+def test_pack_over_segment_capacity_falls_back(qwen3):
+    """A pack with more attention segments than a graph's buffers hold never runs through it."""
+    encoder, reference = qwen3
+    runner = EncoderRunner(encoder, GraphConfig(budgets=(64,)))
+    clips = [random_video(np.random.default_rng(i), 40, 32, 32) for i in range(3)]  # 20 segments of 4 patches each
+    resized = [encoder.preprocessor.resize_video(c) for c in clips]
+    specs = [encoder.preprocessor.spec("video", 40, *r.shape[-2:]) for r in resized]
+    assert sum(s.output_tokens for s in specs) <= 64
+    assert sum(s.grid_thw[0] for s in specs) > max(e.layout.max_segments for e in runner.entries.values())
+    pixels = encoder.preprocessor.pixel_values(resized, "video")
+    outputs = runner.run(pixels, specs)
+    assert runner.stats.eager_fallbacks["capacity"] == 1
+    assert_matches_reference(reference, pixels, specs, outputs)
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        (GraphConfig(budgets=(64, 16)), None),
+        (GraphConfig(budgets=(16, 64), max_items_per_pack=32), "lower max_items_per_pack to <= 16"),
+        (GraphConfig(budgets=()), "empty"),
+        (GraphConfig(max_budget_tokens=8, min_budget_tokens=64), "set max_budget_tokens >= 64"),
+    ],
+)
+def test_ladder_config_errors_name_the_fix(config, message):
+    if message is None:
+        ladder, max_items = build_ladder(config, 4)
+        assert ladder == (16, 64) and max_items == 16  # capped at the smallest budget
+        return
+    with pytest.raises(BudgetConfigError, match=message):
+        build_ladder(config, 64)
