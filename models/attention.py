@@ -14,6 +14,8 @@ We register our own function under such a name:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -24,6 +26,9 @@ ATTN_IMPLEMENTATION = "flash_varlen_encoder"
 def _varlen_cuda(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
+    if scale is None or math.isclose(scale, q.shape[-1] ** -0.5):
+        # The default scale; older torch releases (2.11) take no `scale` argument.
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale)
 
 

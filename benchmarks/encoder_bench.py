@@ -1,0 +1,233 @@
+"""Encoder benchmark: transformers eager vs our eager path vs our graph path, one table per model.
+
+    python benchmarks/encoder_bench.py --presets qwen3-vl-8b qwen2.5-vl-7b --out benchmarks/results
+
+For each case (images / video / mixed pack, pixels already preprocessed on the device) it
+times, in one process and one run:
+- `hf`: the transformers tower as users call it (`tower(pixel_values, grid_thw)`, sdpa);
+- `eager`: our eager path (precomputed metadata, varlen attention, no padding);
+- `graph`: `EncoderRunner.run` (host metadata, copies into static buffers, replay, copy out).
+Latency is the median of timed repeats after warm-up, synchronized. Throughput counts
+output tokens. MFU is useful FLOPs (linear layers + block-diagonal attention, no padding)
+over the measured bf16 matmul peak. The table also gives the arithmetic floor (useful
+FLOPs at that peak), so a missed target can be explained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from encoder_graphs.runner import EncoderRunner, GraphConfig  # noqa: E402
+from models import from_preset  # noqa: E402
+from models.protocol import ItemSpec  # noqa: E402
+
+CASES = {
+    "1 x 224x224": [("image", 224, 224)],
+    "1 x 448x448": [("image", 448, 448)],
+    "1 x 896x896": [("image", 896, 896)],
+    "8 x 448x448": [("image", 448, 448)] * 8,
+    "32 x 224x224": [("image", 224, 224)] * 32,
+    "1 x 1792x1792": [("image", 1792, 1792)],
+    "video 16 x 448x448": [("video", 448, 448)],
+    "mixed 896 + 4x448 + 8x224": [("image", 896, 896)] + [("image", 448, 448)] * 4 + [("image", 224, 224)] * 8,
+}
+VIDEO_FRAMES = 16
+
+
+def measure_peak_tflops(device: torch.device) -> float:
+    """bf16 matmul TFLOP/s on random 8192^3 operands (the MFU denominator)."""
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b, device, repeats=10)
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+def time_ms(fn, device: torch.device, repeats: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append((time.perf_counter() - start) * 1e3)
+    return float(np.median(samples))
+
+
+def useful_flops(encoder, specs: list[ItemSpec]) -> float:
+    """Linear-layer FLOPs for the real rows plus block-diagonal attention FLOPs (no padding)."""
+    tower, config = encoder.tower, encoder.tower.config
+    rows = sum(s.input_patches for s in specs)
+    flops = 0.0
+    for name, module in tower.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            layer_rows = rows if name.startswith("blocks.") else rows // encoder.merge_unit
+            flops += 2 * layer_rows * module.in_features * module.out_features
+        elif isinstance(module, torch.nn.Conv3d):
+            flops += 2 * rows * module.weight[0].numel() * module.out_channels
+    width = getattr(config, "embed_dim", None) or config.hidden_size
+    full = sum(s.grid_thw[0] * s.frame_patches**2 for s in specs)
+    depth = config.depth
+    full_layers = depth
+    window = 0.0
+    if hasattr(config, "fullatt_block_indexes"):
+        full_layers = len(config.fullatt_block_indexes)
+        for spec in specs:
+            _, lengths = encoder._windows(spec)
+            window += sum(length**2 for length in lengths)
+    flops += 4 * width * (full * full_layers + window * (depth - full_layers))
+    return flops
+
+
+def build_case(encoder, items, rng) -> tuple[str, torch.Tensor, list[ItemSpec]]:
+    pre = encoder.preprocessor
+    modality = items[0][0]
+    resized = []
+    for _, height, width in items:
+        if modality == "video":
+            frames = torch.from_numpy(rng.integers(0, 255, (VIDEO_FRAMES, 3, height, width), dtype=np.uint8))
+            resized.append(pre.resize_video(frames))
+        else:
+            resized.append(pre.resize_image(torch.from_numpy(rng.integers(0, 255, (3, height, width), dtype=np.uint8))))
+    frames = VIDEO_FRAMES if modality == "video" else 1
+    specs = [pre.spec(modality, frames, *r.shape[-2:]) for r in resized]
+    pixels = pre.pixel_values(resized, modality, device=encoder.device).to(encoder.dtype)
+    return modality, pixels, specs
+
+
+def hf_tower(encoder, preset: str, dtype: torch.dtype):
+    """A separate transformers tower with the same weights, run its own way (sdpa)."""
+    tower = from_preset(preset, dtype=dtype, device=encoder.device, seed=0).tower
+    tower.load_state_dict(encoder.tower.state_dict())
+    tower.config._attn_implementation = "sdpa"
+    return tower
+
+
+def bench_preset(preset: str, device: torch.device, dtype: torch.dtype, config: GraphConfig, peak: float) -> dict:
+    encoder = from_preset(preset, dtype=dtype, device=device, seed=0)
+    hf = hf_tower(encoder, preset, dtype)
+    runner = EncoderRunner(encoder, config)
+    start = time.perf_counter()
+    runner.capture(progress=lambda message: None)
+    startup_s = time.perf_counter() - start
+    rng = np.random.default_rng(0)
+    rows = []
+    for case, items in CASES.items():
+        modality, pixels, specs = build_case(encoder, items, rng)
+        grid = torch.tensor([list(s.grid_thw) for s in specs], device=device)
+        tokens = sum(s.output_tokens for s in specs)
+        patches = sum(s.input_patches for s in specs)
+        flops = useful_flops(encoder, specs)
+        with torch.inference_mode():
+            hf_ms = time_ms(lambda: hf(pixels, grid_thw=grid), device)
+            eager_ms = time_ms(lambda: encoder.forward_eager(pixels, specs), device)
+            before = runner.stats.snapshot()
+            graph_ms = time_ms(lambda: runner.run(pixels, specs), device)
+            after = runner.stats.snapshot()
+        path = "graph" if sum(after["graph_hits"].values()) > sum(before["graph_hits"].values()) else "eager"
+        rows.append(
+            {
+                "case": case,
+                "patches": patches,
+                "tokens": tokens,
+                "hf_ms": hf_ms,
+                "eager_ms": eager_ms,
+                "graph_ms": graph_ms,
+                "graph_route": path,
+                "graph_vs_hf": hf_ms / graph_ms,
+                "graph_vs_eager": eager_ms / graph_ms,
+                "graph_tokens_per_s": tokens / graph_ms * 1e3,
+                "floor_ms": flops / (peak * 1e12) * 1e3 if peak == peak else float("nan"),
+                "mfu_hf": flops / (hf_ms * 1e-3) / (peak * 1e12),
+                "mfu_eager": flops / (eager_ms * 1e-3) / (peak * 1e12),
+                "mfu_graph": flops / (graph_ms * 1e-3) / (peak * 1e12),
+                "gflops": flops / 1e9,
+            }
+        )
+    del hf
+    return {
+        "preset": preset,
+        "ladder": list(runner.ladder),
+        "graphs": len(runner.entries),
+        "startup_s": startup_s,
+        "memory": runner.memory.summary() if runner.use_graphs else None,
+        "stats": runner.stats.snapshot(),
+        "cases": rows,
+    }
+
+
+def format_table(result: dict) -> str:
+    lines = [
+        f"### {result['preset']} (ladder {result['ladder']}, {result['graphs']} graphs, "
+        f"startup {result['startup_s']:.1f} s, graph memory {result['memory']})",
+        "",
+        "| case | patches | HF ms | eager ms | graph ms | route | graph/HF | graph/eager | graph tok/s "
+        "| floor ms | MFU HF | MFU eager | MFU graph |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["cases"]:
+        lines.append(
+            f"| {r['case']} | {r['patches']} | {r['hf_ms']:.2f} | {r['eager_ms']:.2f} | {r['graph_ms']:.2f} "
+            f"| {r['graph_route']} | {r['graph_vs_hf']:.2f}x | {r['graph_vs_eager']:.2f}x "
+            f"| {r['graph_tokens_per_s']:.0f} | {r['floor_ms']:.2f} | {r['mfu_hf']:.1%} | {r['mfu_eager']:.1%} "
+            f"| {r['mfu_graph']:.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=["qwen3-vl-8b", "qwen2.5-vl-7b"])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-budget-tokens", type=int, default=8192)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--tag", default="encoder_bench")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    peak = measure_peak_tflops(device)
+    config = GraphConfig(max_budget_tokens=args.max_budget_tokens)
+    import transformers
+
+    record = {
+        "command": " ".join(sys.argv),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "dtype": args.dtype,
+        "peak_bf16_tflops": peak,
+        "date": time.strftime("%Y-%m-%d"),
+        "results": [bench_preset(p, device, dtype, config, peak) for p in args.presets],
+    }
+    header = (
+        f"Device {record['device']}, torch {record['torch']}, transformers {record['transformers']}, "
+        f"{args.dtype}, measured matmul peak {peak:.0f} TFLOP/s, {record['date']}\n"
+        f"Command: {record['command']}\n"
+    )
+    tables = "\n\n".join(format_table(r) for r in record["results"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.tag}.json").write_text(json.dumps(record, indent=2))
+    (out / f"{args.tag}.md").write_text(header + "\n" + tables + "\n")
+    print(header)
+    print(tables)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""GPU: capture, replay correctness against transformers, the memory report, and fault handling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from encoder_graphs.memory import GraphMemoryError
+from encoder_graphs.runner import EncoderRunner, GraphConfig
+from models import from_preset
+from tests.helpers import random_image, random_video, relative_error
+
+pytestmark = pytest.mark.gpu
+
+PRESET = "qwen3-vl-2b"
+CONFIG = GraphConfig(max_budget_tokens=2048)
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return from_preset(PRESET, dtype=torch.bfloat16, device="cuda", seed=0)
+
+
+@pytest.fixture(scope="module")
+def references(encoder):
+    """transformers' tower in float32 (the exact reference) and in bf16 sdpa (its own noise level)."""
+    towers = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        tower = from_preset(PRESET, dtype=dtype, device="cuda", seed=0).tower
+        tower.load_state_dict(encoder.tower.state_dict())
+        tower.config._attn_implementation = "sdpa"
+        towers[name] = tower
+    return towers
+
+
+@pytest.fixture(scope="module")
+def runner(encoder):
+    runner = EncoderRunner(encoder, CONFIG)
+    runner.capture()
+    return runner
+
+
+def item_errors(references, pixels, specs, outputs):
+    """Per item: (our error, transformers bf16 error), both against the float32 reference."""
+    errors, row = [], 0
+    for spec, out in zip(specs, outputs):
+        item = pixels[row : row + spec.input_patches]
+        grid = torch.tensor([list(spec.grid_thw)], device="cuda")
+        with torch.inference_mode():
+            exact = references["fp32"](item.float(), grid_thw=grid)
+            bf16 = references["bf16"](item, grid_thw=grid)
+        ours = relative_error(out.tokens, exact.pooler_output)
+        ours = max(ours, relative_error(out.deepstack, torch.stack(exact.deepstack_features)))
+        errors.append((ours, relative_error(bf16.pooler_output, exact.pooler_output)))
+        row += spec.input_patches
+    return errors
+
+
+def test_capture_reports_pool_memory(runner):
+    summary = runner.memory.summary()
+    assert summary["graphs"] == len(runner.entries) > len(runner.ladder)  # several max_seqlen buckets per budget
+    assert runner.memory.pool_bytes > 0 and runner.memory.peak_allocated_bytes > 0
+    assert set(summary["per_budget_mib"]) == set(runner.ladder)
+    assert runner.memory.predicted_pool_bytes > 0
+    assert all(e.enabled and e.replay_ms > 0 for e in runner.entries.values())
+
+
+def test_replayed_packs_match_transformers(encoder, runner, references):
+    pre = encoder.preprocessor
+    rng = np.random.default_rng(0)
+    cases = []
+    for sizes in ([(224, 224)], [(300, 500)] * 5, [(64, 64)] * 20, [(900, 700)], [(3000, 40)]):
+        resized = [pre.resize_image(random_image(rng, h, w)) for h, w in sizes]
+        cases.append(("image", resized, [pre.spec("image", 1, *r.shape[-2:]) for r in resized]))
+    clip = pre.resize_video(random_video(rng, 8, 360, 480))
+    cases.append(("video", [clip], [pre.spec("video", 8, *clip.shape[-2:])]))
+    big = pre.resize_image(random_image(rng, 2000, 2000))  # over the largest budget: eager
+    cases.append(("image", [big], [pre.spec("image", 1, *big.shape[-2:])]))
+    hits_before = sum(runner.stats.graph_hits.values())
+    for modality, resized, specs in cases:
+        pixels = pre.pixel_values(resized, modality, device="cuda").to(encoder.dtype)
+        for ours, theirs in item_errors(references, pixels, specs, runner.run(pixels, specs)):
+            assert ours <= 1.5 * theirs + 1e-3, (modality, [s.grid_thw for s in specs], ours, theirs)
+    assert sum(runner.stats.graph_hits.values()) > hits_before
+    assert runner.stats.eager_fallbacks["oversize"] == 1
+
+
+class Broken:
+    """Wraps an encoder; its padded forward is multiplied by `scale` at `budget` (a fault to inject)."""
+
+    def __init__(self, encoder, budget):
+        self._encoder, self._budget = encoder, budget
+        self.scale = torch.ones((), device="cuda", dtype=encoder.dtype)
+
+    def __getattr__(self, name):
+        return getattr(self._encoder, name)
+
+    def forward_padded(self, pixel_values, metadata, layout):
+        out = self._encoder.forward_padded(pixel_values, metadata, layout)
+        if layout.token_budget == self._budget:
+            out.tokens = out.tokens * self.scale
+        return out
+
+
+def test_self_check_disables_a_deliberately_broken_graph(encoder):
+    broken = Broken(encoder, 256)
+    broken.scale.fill_(float("nan"))  # captured into the budget-256 graphs
+    runner = EncoderRunner(broken, GraphConfig(max_budget_tokens=512))
+    runner.capture()
+    disabled = {key for key, e in runner.entries.items() if not e.enabled}
+    assert disabled == {key for key in runner.entries if key[0] == 256}
+    assert runner.stats.disabled_graphs == len(disabled)
+
+
+def test_graph_that_turns_nonfinite_falls_back_to_eager(encoder, references):
+    broken = Broken(encoder, 256)
+    runner = EncoderRunner(broken, GraphConfig(max_budget_tokens=512))
+    runner.capture()
+    assert all(e.enabled for e in runner.entries.values())
+    broken.scale.fill_(float("inf"))  # the graph now produces inf/NaN; eager does not
+    pre = encoder.preprocessor
+    resized = [pre.resize_image(random_image(np.random.default_rng(1), 256, 256)) for _ in range(3)]
+    specs = [pre.spec("image", 1, *r.shape[-2:]) for r in resized]
+    assert 128 < sum(s.output_tokens for s in specs) <= 256
+    pixels = pre.pixel_values(resized, "image", device="cuda").to(encoder.dtype)
+    outputs = runner.run(pixels, specs)
+    assert runner.stats.eager_fallbacks["nonfinite"] == 1 and runner.stats.disabled_graphs == 1
+    for ours, theirs in item_errors(references, pixels, specs, outputs):
+        assert ours <= 1.5 * theirs + 1e-3
+
+
+def test_ladder_too_big_for_memory_is_refused_before_capture(encoder):
+    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=4096, memory_fraction=1e-4))
+    with pytest.raises(GraphMemoryError, match=r"set max_budget_tokens <= \d+"):
+        runner.capture()
+    assert not any(e.graph for e in runner.entries.values())
