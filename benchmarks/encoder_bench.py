@@ -167,6 +167,17 @@ def bench_preset(preset: str, device: torch.device, dtype: torch.dtype, config: 
         "startup_s": startup_s,
         "memory": runner.memory.summary() if runner.use_graphs else None,
         "stats": runner.stats.snapshot(),
+        "graph_timings": [
+            {
+                "token_budget": key[0],
+                "max_seqlen": key[1],
+                "replay_ms": round(e.replay_ms, 3),
+                "eager_ms": round(e.eager_ms, 3),
+                "self_check_error": e.self_check_error,
+                "enabled": e.enabled,
+            }
+            for key, e in sorted(runner.entries.items())
+        ],
         "cases": rows,
     }
 

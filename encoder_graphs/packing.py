@@ -3,7 +3,8 @@
 Rules (property-tested):
 - every item lands in exactly one pack;
 - a pack holds one modality;
-- a pack's tokens fit the largest budget and it holds at most `max_items` items;
+- a pack's tokens fit the largest budget, it holds at most `max_items` items and at most
+  `max_segments` attention segments (a lone item may exceed that: it runs eagerly);
 - oldest first: packs are formed in arrival order, the oldest waiting item always starts
   the next pack, and later items join it only where they fit (first fit);
 - an item larger than the largest budget goes alone, flagged to run eagerly.
@@ -27,6 +28,8 @@ class PackItem:
     """"image" or "video"; packs never mix modalities."""
     output_tokens: int
     """Tokens the item produces (its share of a budget)."""
+    segments: int = 1
+    """Attention segments it needs (1 per image; a video has one per temporal patch)."""
 
 
 @dataclass(frozen=True)
@@ -51,8 +54,11 @@ class Pack:
         return 1.0 if self.token_budget is None else self.tokens / self.token_budget
 
 
-def pack_items(queue: Sequence[PackItem], ladder: Sequence[int], max_items: int) -> list[Pack]:
+def pack_items(
+    queue: Sequence[PackItem], ladder: Sequence[int], max_items: int, max_segments: int | None = None
+) -> list[Pack]:
     """Pack `queue` (oldest first) into packs for the budget `ladder`."""
+    max_segments = max_segments or sum(item.segments for item in queue) or 1
     largest = ladder[-1]
     remaining = list(queue)
     packs: list[Pack] = []
@@ -61,16 +67,18 @@ def pack_items(queue: Sequence[PackItem], ladder: Sequence[int], max_items: int)
         if first.output_tokens > largest:
             packs.append(Pack((first,), None))
             continue
-        chosen, tokens, rest = [first], first.output_tokens, []
+        chosen, tokens, segments, rest = [first], first.output_tokens, first.segments, []
         for item in remaining:
             fits = (
                 item.modality == first.modality
                 and len(chosen) < max_items
                 and tokens + item.output_tokens <= largest
+                and segments + item.segments <= max_segments
             )
             if fits:
                 chosen.append(item)
                 tokens += item.output_tokens
+                segments += item.segments
             else:
                 rest.append(item)
         remaining = rest

@@ -51,6 +51,10 @@ class GraphConfig:
     """Ratio between consecutive budgets of the automatic ladder."""
     max_items_per_pack: int | None = None
     """Most items one pack may hold; must be <= the smallest budget. None: min(64, smallest budget)."""
+    max_segments_per_pack: int | None = None
+    """Most attention segments (image frames; a video has one per temporal patch) a graph's
+    buffers hold. None: twice the items per pack. Larger packs run eagerly; keep it tight:
+    unused slots slow the attention kernel."""
     min_seqlen_bucket: int = 256
     """Smallest attention-length bucket, in patches; buckets double from it."""
     cuda_graphs: bool = True
@@ -98,15 +102,15 @@ class EncoderRunner:
         self.encoder = encoder
         self.config = config
         self.device = encoder.device
-        smallest = max(1, encoder.min_segment_patches // encoder.merge_unit)
-        self.ladder, self.max_items = build_ladder(config, smallest)
+        self.ladder, self.max_items = build_ladder(config, encoder.min_item_tokens)
+        self.max_segments = config.max_segments_per_pack or 2 * self.max_items
         self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
         self.stats = RunnerStats()
         self.memory = MemoryReport()
         self.capture_seconds = 0.0
         buckets = seqlen_buckets(config.min_seqlen_bucket, self.ladder[-1] * encoder.merge_unit)
         layouts = [
-            encoder.pack_layout(budget, seqlen)
+            encoder.pack_layout(budget, seqlen, self.max_segments)
             for budget in self.ladder
             for seqlen in buckets_for_budget(buckets, budget * encoder.merge_unit)
         ]
@@ -150,6 +154,7 @@ class EncoderRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
             order = sorted(self.entries, reverse=True)
             for index, key in enumerate(order, 1):
+                torch.cuda.empty_cache()  # capture empties the cache too; measure from the same state
                 before = torch.cuda.memory_reserved(self.device)
                 self._capture_entry(self.entries[key])
                 self.memory.graph_bytes[key] = torch.cuda.memory_reserved(self.device) - before
@@ -319,6 +324,7 @@ class EncoderRunner:
         return {
             "budgets": list(self.ladder),
             "max_items_per_pack": self.max_items,
+            "max_segments_per_pack": self.max_segments,
             "cuda_graphs": self.use_graphs,
             "graphs": len(self.entries),
             "graphs_enabled": sum(e.enabled for e in self.entries.values()),

@@ -51,8 +51,3 @@ def pad_rows(values: torch.Tensor, total: int, fill: float | int = 0) -> torch.T
 def cat_rows(pieces: Sequence[torch.Tensor], width: int, dtype: torch.dtype) -> torch.Tensor:
     """Concatenate per-item row blocks; an empty pack gives `[0, width]`."""
     return torch.cat(list(pieces)) if pieces else torch.zeros((0, width), dtype=dtype)
-
-
-def segment_capacity(total: int, min_segment: int, max_seqlen: int) -> int:
-    """Slots a `cu_seqlens` buffer needs: real segments of >= `min_segment` rows plus padding chunks."""
-    return total // max(min_segment, 1) + -(-total // max_seqlen) + 1

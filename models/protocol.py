@@ -43,7 +43,8 @@ class PackLayout:
     max_seqlen: int
     """Longest attention segment (patches) allowed; padding is chunked to <= this."""
     max_segments: int
-    """Capacity of the full-attention `cu_seqlens` buffer (real + padding segments)."""
+    """Capacity of the full-attention `cu_seqlens` buffer (real + padding segments). Unused
+    slots are not free: the kernel grid grows with them (benchmarks/results/varlen_probe.json)."""
     max_window_segments: int = 0
     """Capacity of the window-attention `cu_window_seqlens` buffer (0: no window attention)."""
 
@@ -94,13 +95,14 @@ class VisionEncoder(Protocol):
     """Width of one output token."""
     num_deepstack: int
     """Deepstack feature maps returned per item (0 when the family has none)."""
-    min_segment_patches: int
-    """Fewest patches one frame can have after preprocessing (bounds attention-segment counts)."""
+    min_item_tokens: int
+    """Output tokens of the smallest image the processor produces (budget ladders start here)."""
     dtype: torch.dtype
     device: torch.device
 
-    def pack_layout(self, token_budget: int, max_seqlen: int) -> PackLayout:
-        """The static layout (and buffer capacities) for packs of this budget and segment length."""
+    def pack_layout(self, token_budget: int, max_seqlen: int, max_segments: int) -> PackLayout:
+        """The static layout for packs of up to `token_budget` tokens, frames of <= `max_seqlen`
+        patches and <= `max_segments` frames (attention segments) in all."""
         ...
 
     def metadata_specs(self, layout: PackLayout) -> Mapping[str, TensorSpec]:

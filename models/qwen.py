@@ -17,7 +17,7 @@ import torch
 from transformers.vision_utils import get_vision_position_ids
 
 from . import attention
-from .layout import cat_rows, pad_rows, padded_cu_seqlens, segment_capacity
+from .layout import cat_rows, pad_rows, padded_cu_seqlens
 from .processing import ResizeRules, VisionPreprocessor
 from .protocol import EncoderOutput, ItemSpec, PackCapacityError, PackLayout, TensorSpec
 
@@ -53,7 +53,7 @@ class QwenVisionEncoder:
         self.merge_unit = config.spatial_merge_size**2
         self.patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
         self.num_deepstack = 0
-        self.min_segment_patches = self._min_segment_patches()
+        self.min_item_tokens = self._min_item_tokens()
         if preprocessor.patch_size != config.patch_size or preprocessor.merge_size != config.spatial_merge_size:
             raise ValueError(
                 f"processor patch/merge size {preprocessor.patch_size}/{preprocessor.merge_size} does not match "
@@ -74,19 +74,16 @@ class QwenVisionEncoder:
     def out_hidden(self) -> int:
         return self.tower.config.out_hidden_size
 
-    def _min_segment_patches(self) -> int:
-        """Fewest patches one frame can have after the processors' resize (bounds segment counts)."""
-        image_min = self.preprocessor.image_processor.size["shortest_edge"]
-        video_min = self.preprocessor.video_processor.size["shortest_edge"] // self.preprocessor.temporal_patch_size
-        patch_area = self.preprocessor.patch_size**2
-        return max(self.merge_unit, min(image_min, video_min) // patch_area)
+    def _min_item_tokens(self) -> int:
+        min_pixels = self.preprocessor.image_processor.size["shortest_edge"]
+        return max(1, min_pixels // self.preprocessor.patch_size**2 // self.merge_unit)
 
     # ---- layouts and metadata ----
 
-    def pack_layout(self, token_budget: int, max_seqlen: int) -> PackLayout:
-        """Buffers for packs of up to `token_budget` output tokens whose frames have <= `max_seqlen` patches."""
+    def pack_layout(self, token_budget: int, max_seqlen: int, max_segments: int) -> PackLayout:
         rows = token_budget * self.merge_unit
-        return PackLayout(token_budget, max_seqlen, segment_capacity(rows, self.min_segment_patches, max_seqlen))
+        padding = -(-rows // max_seqlen)
+        return PackLayout(token_budget, max_seqlen, max_segments + padding)
 
     def exact_layout(self, specs: Sequence[ItemSpec]) -> PackLayout:
         """The unpadded layout of exactly these items (used by the eager path)."""

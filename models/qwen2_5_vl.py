@@ -53,18 +53,19 @@ class Qwen2_5_VLEncoder(QwenVisionEncoder):
         side = self.tower.config.window_size // self.tower.config.patch_size
         return side * side
 
-    def _window_capacity(self, rows: int) -> int:
-        # A frame of U merged units on a grid of side-w windows has at most
-        # U/w^2 + (U+1)/w + 1 windows; there are at most rows/min_segment frames.
+    def _window_capacity(self, rows: int, frames: int) -> int:
+        # A square-ish frame of U merged units on side-w windows has about U/w^2 + 2*sqrt(U)/w + 1
+        # windows; twice U/w^2 plus two per frame covers common shapes. Thin strips can need more:
+        # such packs fail `pack_metadata` with PackCapacityError and run eagerly.
         units = rows // self.merge_unit
         window_units = self.tower.config.window_size // self.tower.config.patch_size // self.spatial_merge_size
-        frames = rows // self.min_segment_patches
         padding = -(-rows // self.window_patches)
-        return -(-units // window_units**2) + -(-(units + frames) // window_units) + frames + padding + 1
+        return 2 * -(-units // window_units**2) + 2 * frames + padding
 
-    def pack_layout(self, token_budget: int, max_seqlen: int) -> PackLayout:
-        layout = super().pack_layout(token_budget, max_seqlen)
-        return replace(layout, max_window_segments=self._window_capacity(token_budget * self.merge_unit))
+    def pack_layout(self, token_budget: int, max_seqlen: int, max_segments: int) -> PackLayout:
+        layout = super().pack_layout(token_budget, max_seqlen, max_segments)
+        capacity = self._window_capacity(token_budget * self.merge_unit, max_segments)
+        return replace(layout, max_window_segments=capacity)
 
     def exact_layout(self, specs: Sequence[ItemSpec]) -> PackLayout:
         windows = sum(len(self._windows(s)[1]) for s in specs)

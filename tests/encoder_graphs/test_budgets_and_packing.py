@@ -68,17 +68,25 @@ def test_seqlen_buckets_cover_every_length(min_seqlen, max_seqlen):
 
 
 items_strategy = st.lists(
-    st.tuples(st.sampled_from(["image", "video"]), st.integers(1, 3000)), min_size=0, max_size=60
+    st.tuples(st.sampled_from(["image", "video"]), st.integers(1, 3000), st.integers(1, 12)), min_size=0, max_size=60
 )
 
 
 @settings(max_examples=300)
-@given(items_strategy, st.lists(st.integers(4, 2048), min_size=1, max_size=6, unique=True), st.integers(1, 16))
-def test_packing_invariants(raw_items, budgets, max_items):
+@given(
+    items_strategy,
+    st.lists(st.integers(4, 2048), min_size=1, max_size=6, unique=True),
+    st.integers(1, 16),
+    st.integers(1, 40),
+)
+def test_packing_invariants(raw_items, budgets, max_items, max_segments):
     ladder = tuple(sorted(budgets))
     max_items = min(max_items, ladder[0])
-    queue = [PackItem(i, modality, tokens) for i, (modality, tokens) in enumerate(raw_items)]
-    packs = pack_items(queue, ladder, max_items)
+    queue = [
+        PackItem(i, modality, tokens, segments if modality == "video" else 1)
+        for i, (modality, tokens, segments) in enumerate(raw_items)
+    ]
+    packs = pack_items(queue, ladder, max_items, max_segments)
 
     # every item exactly once
     assert sorted(item.key for pack in packs for item in pack.items) == list(range(len(queue)))
@@ -86,6 +94,7 @@ def test_packing_invariants(raw_items, budgets, max_items):
     for pack in packs:
         assert len({item.modality for item in pack.items}) == 1
         assert len(pack.items) <= max_items
+        assert len(pack.items) == 1 or sum(item.segments for item in pack.items) <= max_segments
         keys = [item.key for item in pack.items]
         assert keys == sorted(keys)  # arrival order inside a pack
         first_keys.append(keys[0])

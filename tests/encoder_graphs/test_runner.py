@@ -126,7 +126,7 @@ def test_self_check_disables_a_broken_budget_and_eager_takes_over(qwen3):
 def test_pack_over_segment_capacity_falls_back(qwen3):
     """A pack with more attention segments than a graph's buffers hold never runs through it."""
     encoder, reference = qwen3
-    runner = EncoderRunner(encoder, GraphConfig(budgets=(64,)))
+    runner = EncoderRunner(encoder, GraphConfig(budgets=(64,), max_segments_per_pack=16))
     clips = [random_video(np.random.default_rng(i), 40, 32, 32) for i in range(3)]  # 20 segments of 4 patches each
     resized = [encoder.preprocessor.resize_video(c) for c in clips]
     specs = [encoder.preprocessor.spec("video", 40, *r.shape[-2:]) for r in resized]

@@ -50,7 +50,7 @@ def test_padded_packs_match_transformers_per_item(family_setup):
         tokens = sum(s.output_tokens for s in specs)
         budget = 1 << (tokens + int(rng.integers(0, 300))).bit_length()
         max_seqlen = max(max(s.frame_patches for s in specs), int(rng.integers(16, 2048)))
-        layout = encoder.pack_layout(budget, max_seqlen)
+        layout = encoder.pack_layout(budget, max_seqlen, sum(s.grid_thw[0] for s in specs) + int(rng.integers(0, 8)))
 
         pixel_values = [encoder.preprocessor.pixel_values([r], modality) for r, _ in items]
         buffer = torch.full((budget * encoder.merge_unit, encoder.patch_dim), 0.0)
@@ -101,7 +101,7 @@ def test_padding_content_cannot_leak_into_real_rows(family_setup):
     resized = encoder.preprocessor.resize_image(random_image(rng, 200, 260))
     spec = encoder.preprocessor.spec("image", 1, *resized.shape[-2:])
     pixels = encoder.preprocessor.pixel_values([resized], "image")
-    layout = encoder.pack_layout(512, 1024)
+    layout = encoder.pack_layout(512, 1024, 4)
     metadata = encoder.pack_metadata([spec], layout)
     clean = torch.zeros(512 * encoder.merge_unit, encoder.patch_dim)
     clean[: spec.input_patches] = pixels
