@@ -3,7 +3,15 @@
 `models` never imports ray. `encoder_graphs` uses it only through `models.protocol`.
 """
 
-from .loading import FAMILIES, CheckpointError, family_class, from_checkpoint, from_preset, vlm_config
+from .loading import (
+    FAMILIES,
+    CheckpointError,
+    family_class,
+    from_checkpoint,
+    from_preset,
+    load_preprocessor,
+    vlm_config,
+)
 from .presets import PRESETS, resolve_preset
 from .processing import InvalidItemError, VisionPreprocessor
 from .protocol import EncoderOutput, ItemOutput, ItemSpec, PackCapacityError, PackLayout, TensorSpec, VisionEncoder
@@ -26,6 +34,7 @@ __all__ = [
     "family_class",
     "from_checkpoint",
     "from_preset",
+    "load_preprocessor",
     "resolve_preset",
     "vlm_config",
 ]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .presets import TINY_VLM_TOKEN_IDS, Preset, resolve_preset
+from .presets import PRESETS, TINY_VLM_TOKEN_IDS, Preset, resolve_preset
 from .processing import VisionPreprocessor
 from .qwen import QwenVisionEncoder
 from .qwen2_5_vl import Qwen2_5_VLEncoder
@@ -58,12 +58,30 @@ def from_preset(
     cls = family_class(found.family)
     torch.manual_seed(seed)
     tower = _build_tower(cls, cls.config_class(**found.vision_config), dtype, device)
-    preprocessor = VisionPreprocessor(
-        cls.image_processor_class(**found.image_processor),
-        cls.video_processor_class(**found.video_processor),
+    return cls(tower, _preset_preprocessor(found), name=found.name)
+
+
+def _preset_preprocessor(preset: Preset) -> VisionPreprocessor:
+    cls = family_class(preset.family)
+    return VisionPreprocessor(
+        cls.image_processor_class(**preset.image_processor),
+        cls.video_processor_class(**preset.video_processor),
         cls.resize_rules,
     )
-    return cls(tower, preprocessor, name=found.name)
+
+
+def load_preprocessor(
+    preset: str | None = None, family: str | None = None, path: str | None = None
+) -> tuple[str, VisionPreprocessor]:
+    """(family, preprocessor) of a preset or checkpoint, without building the tower (for routers)."""
+    if path is not None:
+        directory = resolve_checkpoint_dir(path)
+        found_family, _ = _detect_family(_read_config(directory), directory)
+        if family is not None and family != found_family:
+            raise CheckpointError(f"checkpoint {directory} is a {found_family} model, but family {family!r} was requested")
+        return found_family, _load_processors(FAMILIES[found_family], directory)
+    found = resolve_preset(family, preset or "tiny")
+    return found.family, _preset_preprocessor(found)
 
 
 def vlm_config(preset: str | Preset, family: str | None = None):
@@ -139,15 +157,25 @@ def read_vision_state_dict(directory: Path, full_vlm: bool) -> dict[str, torch.T
 
 
 def _load_processors(cls: type[QwenVisionEncoder], directory: Path) -> VisionPreprocessor:
-    def load(processor_class, filename: str):
-        if (directory / filename).is_file() or (directory / "preprocessor_config.json").is_file():
+    """The checkpoint's processors: their own config files, or (transformers >= 5.2x saves them
+    nested) `processor_config.json`; else the family's published defaults, with a warning."""
+    nested = {}
+    if (directory / "processor_config.json").is_file():
+        nested = json.loads((directory / "processor_config.json").read_text())
+    defaults = next(p for p in PRESETS.values() if p.family == cls.family and p.text_config is None)
+
+    def load(processor_class, filename: str, key: str, default: dict):
+        if (directory / filename).is_file():
             return processor_class.from_pretrained(str(directory))
-        logger.warning("%s has no %s; using %s defaults", directory, filename, processor_class.__name__)
-        return processor_class()
+        if isinstance(nested.get(key), dict):
+            settings = {k: v for k, v in nested[key].items() if not k.endswith("_type") and k != "processor_class"}
+            return processor_class(**settings)
+        logger.warning("%s has no %s; using %s's published defaults", directory, filename, defaults.name)
+        return processor_class(**default)
 
     return VisionPreprocessor(
-        load(cls.image_processor_class, "preprocessor_config.json"),
-        load(cls.video_processor_class, "video_preprocessor_config.json"),
+        load(cls.image_processor_class, "preprocessor_config.json", "image_processor", defaults.image_processor),
+        load(cls.video_processor_class, "video_preprocessor_config.json", "video_processor", defaults.video_processor),
         cls.resize_rules,
     )
 

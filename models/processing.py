@@ -65,6 +65,12 @@ class VisionPreprocessor:
         self.merge_unit = self.merge_size**2
         self.factor = self.patch_size * self.merge_size
 
+    @property
+    def min_item_tokens(self) -> int:
+        """Output tokens of the smallest image the processor produces."""
+        min_pixels = self.image_processor.size["shortest_edge"]
+        return max(1, min_pixels // self.patch_size**2 // self.merge_unit)
+
     # ---- host half: sizes and token counts ----
 
     def resized_image_size(self, height: int, width: int) -> tuple[int, int]:

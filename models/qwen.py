@@ -53,7 +53,7 @@ class QwenVisionEncoder:
         self.merge_unit = config.spatial_merge_size**2
         self.patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
         self.num_deepstack = 0
-        self.min_item_tokens = self._min_item_tokens()
+        self.min_item_tokens = preprocessor.min_item_tokens
         if preprocessor.patch_size != config.patch_size or preprocessor.merge_size != config.spatial_merge_size:
             raise ValueError(
                 f"processor patch/merge size {preprocessor.patch_size}/{preprocessor.merge_size} does not match "
@@ -73,10 +73,6 @@ class QwenVisionEncoder:
     @property
     def out_hidden(self) -> int:
         return self.tower.config.out_hidden_size
-
-    def _min_item_tokens(self) -> int:
-        min_pixels = self.preprocessor.image_processor.size["shortest_edge"]
-        return max(1, min_pixels // self.preprocessor.patch_size**2 // self.merge_unit)
 
     # ---- layouts and metadata ----
 

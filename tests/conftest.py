@@ -17,3 +17,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def serve_harness():
+    """One Ray cluster and Serve instance for the whole session (started on first use)."""
+    from tests.serve_harness import ServeHarness
+
+    harness = ServeHarness()
+    yield harness
+    from ray import serve
+
+    import ray
+
+    serve.shutdown()
+    ray.shutdown()

@@ -10,23 +10,13 @@ import torch
 
 from models import CheckpointError, family_class, from_checkpoint, from_preset, vlm_config
 from models.presets import PRESETS
+from models.tiny_checkpoint import save_tiny_vlm
 from tests.helpers import random_image, relative_error
-
-
-def save_tiny_vlm(family: str, directory, seed: int = 3):
-    """A tiny full VLM written with transformers' own `save_pretrained`, processors included."""
-    torch.manual_seed(seed)
-    model = family_class(family).vlm_class(vlm_config("tiny", family)).eval()
-    model.save_pretrained(directory)
-    reference = from_preset(f"{family}-tiny")  # only for its processors, saved beside the weights
-    reference.preprocessor.image_processor.save_pretrained(directory)
-    reference.preprocessor.video_processor.save_pretrained(directory)
-    return model
 
 
 @pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
 def test_full_vlm_checkpoint_gives_get_image_features(family, tmp_path):
-    model = save_tiny_vlm(family, tmp_path)
+    model = save_tiny_vlm(family, tmp_path, seed=3)
     encoder = from_checkpoint(str(tmp_path))
     assert encoder.family == family
 
@@ -68,7 +58,7 @@ def test_non_vlm_checkpoint_names_what_was_found(tmp_path):
 
 
 def test_family_mismatch_names_both_families(tmp_path):
-    save_tiny_vlm("qwen2.5-vl", tmp_path)
+    save_tiny_vlm("qwen2.5-vl", tmp_path, seed=3)
     with pytest.raises(CheckpointError, match="qwen2.5-vl model, but family 'qwen3-vl'"):
         from_checkpoint(str(tmp_path), family="qwen3-vl")
 
@@ -81,3 +71,17 @@ def test_unexpected_or_missing_keys_are_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"missing \['blocks\.2\."):
         from_checkpoint(str(tmp_path))
+
+
+def test_processors_saved_nested_in_processor_config_are_used(tmp_path):
+    """transformers >= 5.2x writes image/video processors inside processor_config.json only."""
+    from models.tiny_checkpoint import build_tiny_processor
+
+    model = family_class("qwen3-vl").vlm_class(vlm_config("tiny", "qwen3-vl"))
+    model.save_pretrained(tmp_path)
+    build_tiny_processor("qwen3-vl").save_pretrained(tmp_path)
+    encoder = from_checkpoint(str(tmp_path))
+    expected = from_preset("qwen3-vl-tiny").preprocessor
+    assert encoder.preprocessor.patch_size == expected.patch_size == 16
+    assert dict(encoder.preprocessor.image_processor.size) == dict(expected.image_processor.size)
+    assert dict(encoder.preprocessor.video_processor.size) == dict(expected.video_processor.size)

@@ -1,0 +1,174 @@
+"""Token-based autoscaling for encoder replicas (a Ray Serve 2.60 custom policy).
+
+One encoder request may be a thumbnail or a minute of video, so Serve's default policy, which
+counts requests, misjudges load. Each encoder replica reports
+`record_autoscaling_stats() -> {"queued_tokens": ..., "inflight_tokens": ...}`; this policy sums
+the latest report of every running replica and asks for
+`ceil(total_tokens / target_tokens_per_replica)` replicas.
+
+Picking `target_tokens_per_replica`: a replica holding T tokens drains them in T / throughput
+seconds, so set target = tokens/s per replica x acceptable queueing seconds. Take tokens/s per
+GPU from the encoder benchmark (at the token budget the deployment runs), multiply by GPUs per
+replica, then by the wait you accept. Example: 40,000 tokens/s x 0.5 s -> 20,000. Lower it for
+latency (more replicas), raise it for utilisation (fewer, busier replicas).
+
+Serve 2.60 does the rest for custom policies too: it wraps the policy to apply
+`upscaling_factor` / `downscaling_factor` and `upscale_delay_s` / `downscale_delay_s` /
+`downscale_to_zero_delay_s`, and clips the result to [min_replicas, max_replicas] adjusted for
+target capacity. `policy_kwargs` reach only a class policy (its constructor), never a plain
+function, hence `TokenAutoscalingPolicy` is a class. A deployment selects it like this (keys
+checked against Ray's schema by tests/deployments/test_autoscaling_policy.py):
+
+.. code-block:: yaml
+
+    # under applications[].deployments[] of a Serve config
+    - name: EncoderReplica
+      autoscaling_config:
+        min_replicas: 1
+        max_replicas: 8
+        upscale_delay_s: 30
+        downscale_delay_s: 600
+        policy:
+          policy_function: deployments.autoscaling:TokenAutoscalingPolicy
+          policy_kwargs:
+            target_tokens_per_replica: 20000
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from ray.serve.config import AutoscalingContext
+
+QUEUED_TOKENS_METRIC = "queued_tokens"
+INFLIGHT_TOKENS_METRIC = "inflight_tokens"
+TOKEN_METRICS = (QUEUED_TOKENS_METRIC, INFLIGHT_TOKENS_METRIC)
+
+
+class AutoscalingPolicyConfigError(ValueError):
+    """A policy kwarg that cannot work; the message says what to set."""
+
+
+@dataclass(frozen=True)
+class TokenLoad:
+    """Token load over a deployment's running replicas."""
+
+    total_tokens: float
+    """Queued plus in-flight tokens, summed over replicas with fresh reports."""
+    replicas_without_data: int
+    """Running replicas whose token report is missing or stale (counted as 0 tokens)."""
+
+
+def check_target_tokens_per_replica(target_tokens_per_replica: Any) -> float:
+    """The target as a float; raises AutoscalingPolicyConfigError unless it is finite and > 0."""
+    is_number = isinstance(target_tokens_per_replica, (int, float)) and not isinstance(
+        target_tokens_per_replica, bool
+    )
+    if is_number and math.isfinite(target_tokens_per_replica) and target_tokens_per_replica > 0:
+        return float(target_tokens_per_replica)
+    raise AutoscalingPolicyConfigError(
+        f"target_tokens_per_replica must be a finite number of tokens > 0, got "
+        f"{target_tokens_per_replica!r}; set autoscaling_config.policy.policy_kwargs."
+        "target_tokens_per_replica to the benchmark's tokens/s per replica x the queueing "
+        "seconds you accept (e.g. 40000 x 0.5 = 20000)"
+    )
+
+
+def desired_replicas(
+    total_tokens: float,
+    current_replicas: int,
+    target_tokens_per_replica: float,
+    min_replicas: int,
+    max_replicas: int,
+    *,
+    metrics_complete: bool = True,
+) -> int:
+    """Replicas needed for `total_tokens` at `target_tokens_per_replica` each, within bounds.
+
+    `current_replicas` is the count Serve targets now; when `metrics_complete` is False some
+    replicas did not report, so the answer never drops below it (hold rather than scale down
+    on missing data), though known load may still scale up. Any load keeps at least one
+    replica; `max_replicas` always wins.
+    """
+    target_tokens_per_replica = check_target_tokens_per_replica(target_tokens_per_replica)
+    assert min_replicas <= max_replicas, (min_replicas, max_replicas)
+    # ceil keeps >= 1 replica under any load, whatever min_replicas says.
+    needed_replicas = math.ceil(max(total_tokens, 0.0) / target_tokens_per_replica)
+    if not metrics_complete:
+        needed_replicas = max(needed_replicas, current_replicas)
+    return min(max(needed_replicas, min_replicas), max_replicas)
+
+
+def sum_token_load(
+    raw_metrics: Mapping[str, Mapping[Any, Sequence[Any]]],
+    running_replicas: Sequence[Any],
+    now_s: float,
+    stale_after_s: float,
+) -> TokenLoad:
+    """Sum each running replica's latest token samples; missing or stale samples count 0.
+
+    `raw_metrics` is `AutoscalingContext.raw_metrics`: metric name -> replica id -> time series
+    of `TimeStampedValue(timestamp, value)`, oldest first, as the replica recorded them. The
+    latest sample, not `aggregated_metrics`: a window mean lags a burst by up to
+    look_back_period_s and cannot tell an idle replica from a silent one; Serve's delays
+    already debounce.
+    """
+    total_tokens = 0.0
+    replicas_without_data = 0
+    for replica_id in running_replicas:
+        replica_complete = True
+        for metric_name in TOKEN_METRICS:
+            series = raw_metrics.get(metric_name, {}).get(replica_id)
+            # Clock skew between replica and controller can make the age negative: still fresh.
+            if not series or now_s - series[-1].timestamp > stale_after_s:
+                replica_complete = False
+                continue
+            total_tokens += max(float(series[-1].value), 0.0)
+        replicas_without_data += not replica_complete
+    return TokenLoad(total_tokens, replicas_without_data)
+
+
+def staleness_limit_s(config: Any) -> float:
+    """How old a replica's newest sample may be before it counts as no data.
+
+    A healthy replica's newest sample is at most one record interval plus one push interval old
+    (both <= metrics_interval_s); the replica itself drops samples older than
+    look_back_period_s. Allow whichever is longer, with slack for a skipped push.
+    """
+    return max(config.look_back_period_s, 3 * config.metrics_interval_s)
+
+
+class TokenAutoscalingPolicy:
+    """Ray Serve 2.60 autoscaling policy: replicas = ceil(tokens / target_tokens_per_replica).
+
+    Serve instantiates the class once with `policy_kwargs` and calls the instance with an
+    `AutoscalingContext` on every control-loop tick. It returns `(replicas, policy_state)`;
+    Serve then applies scaling factors, delays and bounds (see the module docstring).
+    """
+
+    def __init__(self, *, target_tokens_per_replica: float):
+        self.target_tokens_per_replica = check_target_tokens_per_replica(target_tokens_per_replica)
+
+    def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
+        now_s = ctx.current_time if ctx.current_time is not None else time.time()
+        load = sum_token_load(
+            ctx.raw_metrics or {}, ctx.running_replicas, now_s, staleness_limit_s(ctx.config)
+        )
+        # No running replica means no report at all (say, all restarting): hold, too.
+        metrics_complete = bool(ctx.running_replicas) and load.replicas_without_data == 0
+        # Requests waiting at handles are load even before a replica has counted their tokens.
+        has_requests = (ctx.total_num_requests or 0) > 0
+        min_replicas = max(ctx.capacity_adjusted_min_replicas, 1 if has_requests else 0)
+        replicas = desired_replicas(
+            load.total_tokens,
+            ctx.target_num_replicas,
+            self.target_tokens_per_replica,
+            min(min_replicas, ctx.capacity_adjusted_max_replicas),
+            ctx.capacity_adjusted_max_replicas,
+            metrics_complete=metrics_complete,
+        )
+        # Serve keeps its own delay bookkeeping in policy_state and merges it back in.
+        return replicas, {}

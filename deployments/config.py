@@ -1,0 +1,114 @@
+"""The application's configuration: one pydantic model, validated from the YAML `args`.
+
+Every field has a description (it shows in errors and in `python -m deployments.config`).
+Defaults give the embedded CPU default: the tiny Qwen3-VL tower with random weights.
+Serve options of each deployment (replicas, `ray_actor_options`, autoscaling) are not here:
+override them in the YAML's `deployments:` section, as for any Ray Serve application.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from encoder_graphs.runner import GraphConfig
+from models.presets import PRESETS
+
+MiB = 1 << 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSettings(_Strict):
+    """Which vision tower to serve and where."""
+
+    family: Literal["qwen2-vl", "qwen2.5-vl", "qwen3-vl"] | None = Field(
+        "qwen3-vl", description="Model family; with `preset: tiny` it picks the tiny tower; checked against `path`."
+    )
+    preset: str | None = Field(
+        "tiny", description=f"Random-weight preset: 'tiny' or one of {sorted(PRESETS)}. Ignored when `path` is set."
+    )
+    path: str | None = Field(None, description="Local checkpoint directory or hub id (full VLM or vision-only).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Tower dtype; auto: bfloat16 on CUDA, float32 on CPU."
+    )
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where encoder replicas run the tower.")
+
+    @model_validator(mode="after")
+    def _check_preset(self) -> "ModelSettings":
+        if self.path is None:
+            name = self.preset if self.preset in PRESETS else f"{self.family}-{self.preset}"
+            if name not in PRESETS:
+                raise ValueError(f"unknown preset {self.preset!r} for family {self.family!r}; use one of {sorted(PRESETS)}")
+        return self
+
+    @property
+    def model_id(self) -> str:
+        """The name clients see in responses."""
+        if self.path is not None:
+            return self.path
+        return self.preset if self.preset in PRESETS else f"{self.family}-{self.preset}"
+
+
+class GraphSettings(_Strict):
+    """Token budgets and CUDA graphs (see encoder_graphs.runner.GraphConfig)."""
+
+    max_budget_tokens: int = Field(8192, gt=0, description="Largest token budget; larger packs run eagerly.")
+    budgets: list[int] | None = Field(None, description="Explicit budget list (output tokens); default: doubling ladder.")
+    min_budget_tokens: int = Field(64, gt=0, description="Smallest budget of the automatic ladder.")
+    budget_growth: float = Field(2.0, gt=1.0, description="Ratio between consecutive automatic budgets.")
+    max_items_per_pack: int | None = Field(None, gt=0, description="Items per pack (<= smallest budget).")
+    max_segments_per_pack: int | None = Field(None, gt=0, description="Attention segments a graph holds.")
+    min_seqlen_bucket: int = Field(256, gt=0, description="Smallest max_seqlen bucket (patches).")
+    cuda_graphs: bool = Field(True, description="Capture CUDA graphs (CUDA only).")
+    self_check: bool = Field(True, description="Check every graph against eager at startup.")
+    memory_fraction: float = Field(0.8, gt=0, le=1, description="Share of free GPU memory graphs may use.")
+
+    def to_config(self) -> GraphConfig:
+        values = self.model_dump()
+        values["budgets"] = tuple(values["budgets"]) if values["budgets"] else None
+        return GraphConfig(**values)
+
+
+class RouterSettings(_Strict):
+    """How the router packs requests and protects itself."""
+
+    max_wait_ms: float = Field(10.0, ge=0, description="Longest an item waits for a fuller pack before it is sent.")
+    target_fill: float = Field(
+        0.9, gt=0, le=1, description="A pack is sent at once when it fills this share of the largest budget."
+    )
+    max_queued_tokens: int = Field(
+        1 << 18, gt=0, description="Tokens queued or in flight above which new requests get 503 + Retry-After."
+    )
+    retry_after_s: int = Field(1, ge=0, description="Retry-After header value on 503.")
+    request_timeout_s: float = Field(120.0, gt=0, description="A request not done by then fails with 504.")
+    pack_retries: int = Field(1, ge=0, description="Times a pack is resent when its encoder replica dies.")
+
+
+class Limits(_Strict):
+    """Input limits, checked in this order before anything large is allocated."""
+
+    max_request_bytes: int = Field(64 * MiB, gt=0, description="Largest HTTP request body.")
+    max_items_per_request: int = Field(64, gt=0, description="Most items in one request.")
+    max_item_bytes: int = Field(20 * MiB, gt=0, description="Largest encoded image or video of one item.")
+    allowed_image_formats: list[str] = Field(
+        ["JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF"], description="Pillow format names accepted."
+    )
+    max_image_pixels: int = Field(
+        40_000_000, gt=0, description="Largest width*height, read from the header before decoding."
+    )
+    max_video_frames: int = Field(256, gt=0, description="Most frames of one video (given or sampled).")
+    max_tokens_per_item: int = Field(16384, gt=0, description="Most output tokens of one item.")
+    max_tokens_per_request: int = Field(65536, gt=0, description="Most output tokens of one request.")
+
+
+class AppConfig(_Strict):
+    """Arguments of `deployments.app:build_app` (the YAML's `args`)."""
+
+    model: ModelSettings = Field(default_factory=ModelSettings, description="The vision tower.")
+    graphs: GraphSettings = Field(default_factory=GraphSettings, description="Budgets and CUDA graphs.")
+    router: RouterSettings = Field(default_factory=RouterSettings, description="Packing and backpressure.")
+    limits: Limits = Field(default_factory=Limits, description="Input limits.")

@@ -1,0 +1,123 @@
+"""The encoder replica: one tower (one GPU, or CPU), its graphs, and a queue of packs.
+
+Loading and capture happen in the constructor, with progress in the log. A pack arrives
+as uint8 resized pixels; the replica normalizes and patchifies it on its own device with
+the model's processor, runs it through the graph runner, and returns per-item CPU tensors.
+Packs run one at a time (the GPU is the bottleneck); others wait here and count as
+queued tokens, which the router and the autoscaler read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from ray import serve
+
+from encoder_graphs.runner import EncoderRunner
+from models import from_checkpoint, from_preset
+from models.protocol import ItemOutput, ItemSpec
+
+from .config import AppConfig
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass
+class PackRequest:
+    """One pack on its way to an encoder replica."""
+
+    pack_id: int
+    modality: str
+    pixels: list[torch.Tensor]
+    """uint8 resized items (`[3, h, w]` or `[T, 3, h, w]`), in pack order."""
+    specs: list[ItemSpec]
+
+    @property
+    def tokens(self) -> int:
+        return sum(spec.output_tokens for spec in self.specs)
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def load_encoder(config: AppConfig):
+    model = config.model
+    if model.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("model.device is 'cuda' but this replica sees no CUDA device (is num_gpus set to 1?)")
+    dtype = resolve_dtype(model.dtype, model.device)
+    if model.path is not None:
+        return from_checkpoint(model.path, family=model.family, dtype=dtype, device=model.device)
+    return from_preset(model.preset, family=model.family, dtype=dtype, device=model.device)
+
+
+@serve.deployment(max_ongoing_requests=8, health_check_period_s=10)
+class EncoderReplica:
+    def __init__(self, config: AppConfig):
+        start = time.perf_counter()
+        if config.model.device == "cpu":
+            torch.set_num_threads(max(1, torch.get_num_threads()))
+        self.encoder = load_encoder(config)
+        logger.info("loaded %s on %s in %.1f s", self.encoder.name, self.encoder.device, time.perf_counter() - start)
+        self.runner = EncoderRunner(self.encoder, config.graphs.to_config())
+        self.runner.capture(progress=logger.info)
+        self._lock = threading.Lock()
+        self._counter_lock = threading.Lock()
+        self._queued_tokens = 0
+        self._inflight_tokens = 0
+        self.ready_s = time.perf_counter() - start
+
+    async def encode_pack(self, pack: PackRequest) -> list[ItemOutput]:
+        self._count(queued=pack.tokens)
+        return await asyncio.to_thread(self._run, pack)
+
+    def _count(self, queued: int = 0, inflight: int = 0) -> None:
+        with self._counter_lock:
+            self._queued_tokens += queued
+            self._inflight_tokens += inflight
+
+    def _run(self, pack: PackRequest) -> list[ItemOutput]:
+        with self._lock:  # one pack at a time on the device
+            self._count(queued=-pack.tokens, inflight=pack.tokens)
+            try:
+                return self._encode(pack)
+            finally:
+                self._count(inflight=-pack.tokens)
+
+    def _encode(self, pack: PackRequest) -> list[ItemOutput]:
+        device = self.encoder.device
+        pixel_values = self.encoder.preprocessor.pixel_values(pack.pixels, pack.modality, device=device)
+        outputs = self.runner.run(pixel_values.to(self.encoder.dtype), pack.specs)
+        return [
+            ItemOutput(tokens=out.tokens.cpu(), deepstack=None if out.deepstack is None else out.deepstack.cpu())
+            for out in outputs
+        ]
+
+    def record_routing_stats(self) -> dict:
+        return {"queued_tokens": self._queued_tokens + self._inflight_tokens}
+
+    def record_autoscaling_stats(self) -> dict:
+        return {"queued_tokens": float(self._queued_tokens), "inflight_tokens": float(self._inflight_tokens)}
+
+    def describe(self) -> dict:
+        return {
+            "model": self.encoder.name,
+            "family": self.encoder.family,
+            "device": str(self.encoder.device),
+            "dtype": str(self.encoder.dtype).removeprefix("torch."),
+            "ready_s": round(self.ready_s, 2),
+            "queued_tokens": self._queued_tokens,
+            "inflight_tokens": self._inflight_tokens,
+            **self.runner.describe(),
+        }
+
+    def check_health(self) -> None:
+        if self.encoder.device.type == "cuda":
+            torch.cuda.synchronize(self.encoder.device)  # surfaces a sticky CUDA error; Serve restarts us

@@ -1,0 +1,262 @@
+"""The router (ingress): validate, decode, count tokens, pack, dispatch, fan results back out.
+
+HTTP (`/v1/encode`, `/health`, `/v1/models`, OpenAPI docs at `/docs`) and the Python handle
+(`encode`) share one path: inspect headers and check limits -> decode and resize off the
+event loop -> queue items in the pack scheduler -> await each item's output. Client errors
+are `RequestError`s with a 4xx and a body naming the item and the limit; anything else is
+logged and becomes a 500.
+"""
+
+
+import asyncio
+import base64
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from PIL import Image
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from encoder_graphs.runner import build_ladder
+from models import load_preprocessor
+from models.protocol import ItemOutput
+
+from . import media
+from .config import AppConfig
+from .encoder import PackRequest
+from .errors import RequestError, item_error, overloaded
+from .scheduler import Overloaded, PackScheduler, QueuedItem
+from .schemas import EncodeRequest, EncodeResponse, ErrorResponse, ImageItem
+
+logger = logging.getLogger("ray.serve")
+
+api = FastAPI(
+    title="VLM vision-encoder service",
+    description="Encodes images and videos with a VLM's vision tower; packs requests into CUDA-graph budgets.",
+    responses={400: {"model": ErrorResponse}, 413: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
+)
+
+
+@api.exception_handler(RequestError)
+async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0]
+    location = [part for part in first.get("loc", ()) if part != "body"]
+    if len(location) >= 2 and location[0] == "items" and isinstance(location[1], int):
+        param = f"items[{location[1]}]"
+    else:
+        param = ".".join(str(part) for part in location) or None
+    fields = ".".join(str(part) for part in location[2:])
+    message = f"{param or 'body'}{'.' + fields if fields else ''}: {first.get('msg', 'invalid')}"
+    return JSONResponse(RequestError(400, message, param=param).body(), status_code=400)
+
+
+@api.middleware("http")
+async def _limit_body(request: Request, call_next):
+    limit = getattr(api.state, "max_request_bytes", None)
+    declared = request.headers.get("content-length")
+    if limit is not None and declared is not None and declared.isdigit() and int(declared) > limit:
+        error = RequestError(413, f"request body of {declared} bytes exceeds max_request_bytes={limit}")
+        return JSONResponse(error.body(), status_code=413)
+    return await call_next(request)
+
+
+@dataclass
+class EncodeResult:
+    """One item's result through the Python handle."""
+
+    index: int
+    modality: str
+    grid_thw: tuple[int, int, int]
+    embedding: torch.Tensor
+    """`[tokens, hidden]` in the tower's dtype."""
+    deepstack: torch.Tensor | None = None
+    """`[num_deepstack, tokens, hidden]` (Qwen3-VL) or None."""
+
+
+def _tensor_payload(tensor: torch.Tensor, encoding_format: str) -> str | list:
+    array = tensor.float().numpy()
+    if encoding_format == "float":
+        return array.tolist()
+    return base64.b64encode(array.astype("<f4").tobytes()).decode("ascii")
+
+
+@serve.deployment(max_ongoing_requests=256)
+@serve.ingress(api)
+class EncoderRouter:
+    def __init__(self, config: AppConfig, encoder: DeploymentHandle):
+        self.config = config
+        self.encoder = encoder
+        model = config.model
+        self.family, self.preprocessor = load_preprocessor(model.preset, model.family, model.path)
+        graphs = config.graphs.to_config()
+        self.ladder, max_items = build_ladder(graphs, self.preprocessor.min_item_tokens)
+        self.scheduler = PackScheduler(
+            self.ladder,
+            max_items,
+            graphs.max_segments_per_pack or 2 * max_items,
+            self._dispatch,
+            max_wait_s=config.router.max_wait_ms / 1e3,
+            target_fill=config.router.target_fill,
+            max_queued_tokens=config.router.max_queued_tokens,
+        )
+        self.rejected: dict[str, int] = {}
+        api.state.max_request_bytes = config.limits.max_request_bytes
+
+    # ---- HTTP ----
+
+    @api.post("/v1/encode", response_model=EncodeResponse)
+    async def encode_http(self, body: EncodeRequest) -> dict:
+        raw = [self._raw_from_http(index, item) for index, item in enumerate(body.items)]
+        results = await self._encode(raw)
+        data = []
+        for result in results:
+            entry = {
+                "index": result.index,
+                "modality": result.modality,
+                "grid_thw": list(result.grid_thw),
+                "shape": list(result.embedding.shape),
+                "embedding": _tensor_payload(result.embedding, body.encoding_format),
+            }
+            if result.deepstack is not None:
+                entry["deepstack"] = [_tensor_payload(layer, body.encoding_format) for layer in result.deepstack]
+            data.append(entry)
+        tokens = sum(r.embedding.shape[0] for r in results)
+        return {"model": self.config.model.model_id, "data": data, "usage": {"vision_tokens": tokens}}
+
+    @api.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict:
+        status = serve.status()
+        app = next((a for a in status.applications.values() if "EncoderReplica" in a.deployments), None)
+        replicas = {} if app is None else dict(app.deployments["EncoderReplica"].replica_states)
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.config.model.model_id,
+                    "object": "model",
+                    "family": self.family,
+                    "budgets": list(self.ladder),
+                    "encoder_replicas": {str(k): v for k, v in replicas.items()},
+                    "router": self.router_stats(),
+                }
+            ],
+        }
+
+    def _raw_from_http(self, index: int, item) -> tuple[str, Any]:
+        limits = self.config.limits
+        if isinstance(item, ImageItem):
+            return "image", media.decode_base64(item.image, index, limits)
+        if (item.frames is None) == (item.video is None):
+            raise item_error(index, 400, "a video item needs exactly one of 'frames' or 'video'")
+        if item.video is not None:
+            raise item_error(index, 400, "encoded video files are not supported yet; send 'frames'")
+        if len(item.frames) > limits.max_video_frames:
+            raise item_error(index, 413, f"{len(item.frames)} frames exceeds max_video_frames={limits.max_video_frames}")
+        return "frames", [media.decode_base64(frame, index, limits) for frame in item.frames]
+
+    # ---- Python handle ----
+
+    async def encode(self, items: list) -> list[EncodeResult]:
+        """Encode PIL images, encoded image bytes, or {"type": "video", "frames": [...]} dicts."""
+        return await self._encode([self._raw_from_python(index, item) for index, item in enumerate(items)])
+
+    def _raw_from_python(self, index: int, item) -> tuple[str, Any]:
+        if isinstance(item, (bytes, bytearray, Image.Image)):
+            return "image", item
+        if isinstance(item, dict) and item.get("type") == "image" and "image" in item:
+            return "image", item["image"]
+        if isinstance(item, dict) and item.get("type") == "video" and isinstance(item.get("frames"), list):
+            return "frames", item["frames"]
+        raise item_error(index, 400, f"unsupported item of type {type(item).__name__}; pass a PIL image, bytes, or a dict")
+
+    # ---- the shared path ----
+
+    async def _encode(self, raw: list[tuple[str, Any]]) -> list[EncodeResult]:
+        limits = self.config.limits
+        try:
+            if len(raw) > limits.max_items_per_request:
+                raise RequestError(
+                    413, f"{len(raw)} items exceeds max_items_per_request={limits.max_items_per_request}", "items"
+                )
+            inspected = [self._inspect(index, kind, value) for index, (kind, value) in enumerate(raw)]
+            media.check_request_tokens(inspected, limits)
+            self._check_capacity(sum(item.spec.output_tokens for item in inspected))
+            decoded = await asyncio.to_thread(lambda: [media.decode(i, limits, self.preprocessor) for i in inspected])
+        except RequestError as exc:
+            self._count_rejection(exc)
+            raise
+        outputs = await self._enqueue(decoded)
+        return [
+            EncodeResult(index, item.spec.modality, item.spec.grid_thw, out.tokens, out.deepstack)
+            for index, (item, out) in enumerate(zip(decoded, outputs))
+        ]
+
+    def _inspect(self, index: int, kind: str, value) -> media.InspectedItem:
+        limits, pre = self.config.limits, self.preprocessor
+        if kind == "frames":
+            return media.inspect_frames(value, index, limits, pre)
+        if isinstance(value, Image.Image):
+            return media.inspect_pil(value, index, limits, pre)
+        return media.inspect_image(bytes(value), index, limits, pre)
+
+    def _check_capacity(self, tokens: int) -> None:
+        try:
+            self.scheduler.check_room(tokens)
+        except Overloaded as exc:
+            raise overloaded(str(exc), self.config.router.retry_after_s) from None
+
+    async def _enqueue(self, decoded: list[media.DecodedItem]) -> list[ItemOutput]:
+        loop = asyncio.get_running_loop()
+        request_id = uuid.uuid4().hex
+        queued = [QueuedItem(d.pixels, d.spec, request_id, loop.create_future()) for d in decoded]
+        try:
+            self.scheduler.submit(queued)
+        except Overloaded as exc:
+            error = overloaded(str(exc), self.config.router.retry_after_s)
+            self._count_rejection(error)
+            raise error from None
+        try:
+            return await asyncio.wait_for(
+                asyncio.gather(*(q.future for q in queued)), self.config.router.request_timeout_s
+            )
+        except asyncio.TimeoutError:
+            raise RequestError(
+                504, f"request not done within request_timeout_s={self.config.router.request_timeout_s}",
+                error_type="timeout_error",
+            ) from None
+        finally:
+            for item in queued:  # a cancelled or failed request leaves nothing queued behind
+                if not item.future.done():
+                    item.future.cancel()
+
+    async def _dispatch(self, modality: str, items: list[QueuedItem]) -> list[ItemOutput]:
+        pack = PackRequest(self.scheduler.next_pack_id(), modality, [i.pixels for i in items], [i.spec for i in items])
+        return await self.encoder.encode_pack.remote(pack)
+
+    def _count_rejection(self, error: RequestError) -> None:
+        reason = {413: "limit", 415: "format", 503: "overloaded"}.get(error.status, "invalid")
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+    def router_stats(self) -> dict:
+        return {
+            "packs": self.scheduler.stats.snapshot(),
+            "queued_tokens": self.scheduler.queued_tokens,
+            "rejected": dict(self.rejected),
+        }

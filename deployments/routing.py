@@ -1,0 +1,47 @@
+"""Sends each pack to the encoder replica with the fewest queued tokens.
+
+Serve's default router balances request *counts*; an encoder's load is its queued tokens
+(one 4K image costs as much as sixty thumbnails). Each replica reports its queued and
+in-flight tokens through `record_routing_stats`; this router also counts the tokens it
+sent itself and has not seen complete, which is exact and immediate for this caller. The
+load of a replica is the larger of the two (reports are periodic and cover other callers).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+
+def pack_tokens(pending_request: Optional[PendingRequest]) -> int:
+    if pending_request is None or not pending_request.args:
+        return 0
+    return int(getattr(pending_request.args[0], "tokens", 0))
+
+
+class FewestQueuedTokensRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, **kwargs) -> None:
+        self._sent_tokens: dict[ReplicaID, int] = defaultdict(int)
+        self._by_request: dict[str, tuple[ReplicaID, int]] = {}
+
+    def load(self, replica: RunningReplica) -> int:
+        reported = int((replica.routing_stats or {}).get("queued_tokens", 0))
+        return max(reported, self._sent_tokens[replica.replica_id])
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: Optional[PendingRequest] = None
+    ) -> list[list[RunningReplica]]:
+        ranked = sorted(candidate_replicas, key=self.load)
+        return [[replica] for replica in ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        tokens = pack_tokens(pending_request)
+        self._sent_tokens[replica_id] += tokens
+        self._by_request[pending_request.metadata.internal_request_id] = (replica_id, tokens)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        routed = self._by_request.pop(internal_request_id, None)
+        if routed is not None:
+            self._sent_tokens[routed[0]] -= routed[1]

@@ -1,0 +1,197 @@
+"""The router's pack scheduler: queues items per modality and sends packs when they close.
+
+A pack closes when it fills `target_fill` of the largest budget, when it cannot take more
+items (items or segments per pack), or when its oldest item has waited `max_wait_s`.
+Packs are formed oldest first (`encoder_graphs.packing`), so no item starves. Items whose
+request went away (cancelled future) are dropped before their pack is sent. Queued plus
+in-flight tokens are bounded: `submit` refuses work above `max_queued_tokens`.
+No Ray here: `dispatch` is any coroutine function that encodes one pack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Sequence
+
+import torch
+
+from encoder_graphs.packing import PackItem, pack_items
+from models.protocol import ItemOutput, ItemSpec
+
+logger = logging.getLogger("ray.serve")
+
+
+class Overloaded(Exception):
+    """Accepting the items would exceed the queued-token bound."""
+
+
+@dataclass(eq=False)
+class QueuedItem:
+    """One item waiting for a pack; its future gets the item's output."""
+
+    pixels: torch.Tensor
+    spec: ItemSpec
+    request_id: str
+    future: asyncio.Future
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class PackStats:
+    """What the scheduler has sent so far."""
+
+    packs: int = 0
+    items: int = 0
+    requests: int = 0
+    """Sum over packs of the distinct requests in each pack."""
+    tokens: int = 0
+    budget_tokens: int = 0
+    dropped_cancelled: int = 0
+    failed_packs: int = 0
+    max_requests_in_a_pack: int = 0
+
+    def record(self, items: Sequence[QueuedItem], budget: int | None) -> None:
+        requests = len({item.request_id for item in items})
+        self.packs += 1
+        self.items += len(items)
+        self.requests += requests
+        self.max_requests_in_a_pack = max(self.max_requests_in_a_pack, requests)
+        tokens = sum(item.spec.output_tokens for item in items)
+        self.tokens += tokens
+        self.budget_tokens += budget or tokens
+
+    def snapshot(self) -> dict:
+        return {
+            "packs": self.packs,
+            "items": self.items,
+            "mean_items_per_pack": round(self.items / self.packs, 3) if self.packs else 0.0,
+            "mean_requests_per_pack": round(self.requests / self.packs, 3) if self.packs else 0.0,
+            "max_requests_in_a_pack": self.max_requests_in_a_pack,
+            "mean_fill": round(self.tokens / self.budget_tokens, 4) if self.budget_tokens else 0.0,
+            "dropped_cancelled": self.dropped_cancelled,
+            "failed_packs": self.failed_packs,
+        }
+
+
+Dispatch = Callable[[str, list[QueuedItem]], Awaitable[list[ItemOutput]]]
+
+
+class PackScheduler:
+    def __init__(
+        self,
+        ladder: Sequence[int],
+        max_items: int,
+        max_segments: int,
+        dispatch: Dispatch,
+        max_wait_s: float,
+        target_fill: float,
+        max_queued_tokens: int,
+    ):
+        self.ladder = tuple(ladder)
+        self.max_items = max_items
+        self.max_segments = max_segments
+        self.max_wait_s = max_wait_s
+        self.target_fill = target_fill
+        self.max_queued_tokens = max_queued_tokens
+        self._dispatch = dispatch
+        self._queue: list[QueuedItem] = []
+        self._wake = asyncio.Event()
+        self._inflight_tokens = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._ids = itertools.count()
+        self.stats = PackStats()
+        self._loop_task: asyncio.Task | None = None
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(item.spec.output_tokens for item in self._queue) + self._inflight_tokens
+
+    def check_room(self, tokens: int) -> None:
+        """Raise Overloaded if `tokens` more would exceed the bound."""
+        if self.queued_tokens + tokens > self.max_queued_tokens:
+            raise Overloaded(
+                f"{self.queued_tokens} tokens are queued or in flight; {tokens} more would exceed "
+                f"max_queued_tokens={self.max_queued_tokens}"
+            )
+
+    def submit(self, items: Sequence[QueuedItem]) -> None:
+        """Queue a request's items (all or none)."""
+        self.check_room(sum(item.spec.output_tokens for item in items))
+        self._queue.extend(items)
+        self._ensure_running()
+        self._wake.set()
+
+    def _ensure_running(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            timeout = self._send_closed_packs()
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+
+    def _send_closed_packs(self) -> float | None:
+        """Send every closed pack; return seconds until the next pack closes by waiting (None: idle)."""
+        live = [item for item in self._queue if not item.future.done()]
+        self.stats.dropped_cancelled += len(self._queue) - len(live)
+        self._queue = live
+        if not live:
+            return None
+        by_key = {id(item): item for item in live}
+        queue = [PackItem(id(i), i.spec.modality, i.spec.output_tokens, i.spec.grid_thw[0]) for i in live]
+        now = time.monotonic()
+        next_deadline = None
+        sent: set[int] = set()
+        for pack in pack_items(queue, self.ladder, self.max_items, self.max_segments):
+            items = [by_key[p.key] for p in pack.items]
+            deadline = min(item.enqueued_at for item in items) + self.max_wait_s
+            if self._closed(pack, items) or deadline <= now:
+                sent.update(id(item) for item in items)
+                self._send(pack.modality, items, pack.token_budget)
+            else:
+                next_deadline = deadline if next_deadline is None else min(next_deadline, deadline)
+        self._queue = [item for item in live if id(item) not in sent]
+        return None if next_deadline is None else max(0.0, next_deadline - now)
+
+    def _closed(self, pack, items: list[QueuedItem]) -> bool:
+        segments = sum(item.spec.grid_thw[0] for item in items)
+        return (
+            pack.token_budget is None
+            or pack.tokens >= self.target_fill * self.ladder[-1]
+            or len(items) >= self.max_items
+            or segments >= self.max_segments
+        )
+
+    def _send(self, modality: str, items: list[QueuedItem], budget: int | None) -> None:
+        self.stats.record(items, budget)
+        tokens = sum(item.spec.output_tokens for item in items)
+        self._inflight_tokens += tokens
+        task = asyncio.get_running_loop().create_task(self._deliver(modality, items, tokens))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _deliver(self, modality: str, items: list[QueuedItem], tokens: int) -> None:
+        try:
+            outputs = await self._dispatch(modality, items)
+        except Exception as exc:  # the pack failed: every item's request gets the error
+            self.stats.failed_packs += 1
+            for item in items:
+                if not item.future.done():
+                    item.future.set_exception(exc)
+            return
+        finally:
+            self._inflight_tokens -= tokens
+        for item, output in zip(items, outputs):
+            if not item.future.done():
+                item.future.set_result(output)
+
+    def next_pack_id(self) -> int:
+        return next(self._ids)

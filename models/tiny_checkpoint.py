@@ -1,0 +1,166 @@
+"""A tiny full-VLM checkpoint on disk, loadable the way users load a hub repo.
+
+`save_tiny_vlm` writes random weights in a family's tiny preset shape, plus a processor
+that `AutoProcessor.from_pretrained` restores as the family's own class (Qwen2VLProcessor,
+...): the tiny preset's image and video processors, a byte-level BPE tokenizer trained here
+on a few paragraphs (ids 0..999, then the special tokens of `TINY_SPECIAL_TOKENS`) and a
+Qwen2-VL chat template. Nothing is downloaded; tests and demos use it in place of a hub repo.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
+from tokenizers.models import BPE
+from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
+
+from .loading import family_class, vlm_config
+from .presets import TINY_SPECIAL_TOKENS, TINY_TEXT_CONFIG, resolve_preset
+
+BASE_VOCAB_SIZE = 1000
+"""Ids below this are byte-level BPE tokens; the special tokens follow (`TINY_SPECIAL_TOKENS`)."""
+
+PROCESSOR_CLASSES = {"qwen2-vl": Qwen2VLProcessor, "qwen2.5-vl": Qwen2_5_VLProcessor, "qwen3-vl": Qwen3VLProcessor}
+
+# Qwen2's pre-tokenizer split (as in transformers' Qwen2Tokenizer), so that loading this
+# tokenizer through Qwen2Tokenizer, which rebuilds its pipeline from vocab and merges, encodes alike.
+QWEN_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+# Qwen2-VL's chat template: a default system turn, `<|im_start|>role\n...<|im_end|>\n` turns,
+# one `<|vision_start|><|image_pad|><|vision_end|>` per image (the processor expands the pad).
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = """\
+The harbor wakes before the town does. Fishing boats slip out past the breakwater while the \
+lighthouse still turns, and gulls follow them, crying over the grey water. By seven the bakery \
+on the corner has opened its shutters, and the smell of warm bread drifts down to the quay.
+
+A picture is a grid of small squares. Each square holds a colour, and a camera records millions \
+of them in a fraction of a second. To describe an image, a person looks for shapes, edges and \
+faces; a model looks for patterns in numbers, learned from many examples it has seen before.
+
+She asked the assistant three questions: what was in the photograph, how many people were \
+standing near the red car, and whether the sky looked like rain. It answered that two children \
+and an old man stood by the car, and that dark clouds were gathering over the hills to the west.
+
+Video is a sequence of frames shown quickly enough that motion appears smooth. A short clip of a \
+dog running across a field might contain ninety frames; neighbouring frames differ only a little, \
+so a careful reader can skip some of them and still follow the story from beginning to end.
+
+Good instructions are short and clear. Write the answer in one sentence. Count the apples on the \
+table. Describe the weather, the season and the time of day. If you are not sure, say so, and \
+explain which part of the picture made the question difficult to answer.
+
+In winter the market square fills with stalls selling chestnuts, wool scarves, honey and candles. \
+Musicians play near the fountain, and visitors from the mountain villages bring cheese, apples and \
+carved wooden toys. When the evening bells ring, everyone gathers to watch the lanterns being lit.
+
+Every morning the train to the city leaves at half past six. Passengers read newspapers, drink \
+coffee from paper cups, or simply watch the orchards, rivers and factories go by. A conductor \
+checks tickets, and a small girl presses her nose against the window, counting cows and bridges.
+
+The library keeps maps, letters and diaries written by sailors who crossed the ocean long ago. \
+Their handwriting is often hard to read: ink has faded, pages are torn, and spelling changes from \
+one journal to the next. Volunteers transcribe them slowly, checking every strange word twice.
+
+Numbers help too: 3 bikes, 12 eggs, 250 grams of flour, 1,024 pixels, and 42 minutes until noon.
+
+At the workshop we repaired an old bicycle: new brakes, a bright yellow bell, oiled chains and \
+a leather saddle. Afterwards we rode along the canal, past quiet gardens, barges and anglers.
+"""
+
+
+def _with_qwen_pipeline(backend: Tokenizer) -> Tokenizer:
+    """Qwen2's normalizer, pre-tokenizer and decoder (NFC, regex split, byte-level)."""
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _trained_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Byte-level BPE trained on `CORPUS`, its vocabulary filled to exactly `BASE_VOCAB_SIZE`."""
+    backend = _with_qwen_pipeline(Tokenizer(BPE()))
+    trainer = trainers.BpeTrainer(
+        vocab_size=BASE_VOCAB_SIZE, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    backend.train_from_iterator([CORPUS], trainer=trainer)
+    model = json.loads(backend.to_str())["model"]
+    vocab = dict(model["vocab"])
+    # Should training stop short, unreachable placeholders keep the special tokens' ids fixed.
+    for index in range(BASE_VOCAB_SIZE - len(vocab)):
+        vocab[f"<|unused_{index}|>"] = len(vocab)
+    assert sorted(vocab.values()) == list(range(BASE_VOCAB_SIZE))
+    return vocab, [tuple(pair) for pair in model["merges"]]
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny presets' tokenizer: deterministic, built in milliseconds, with Qwen's chat template."""
+    vocab, merges = _trained_vocab_and_merges()
+    backend = _with_qwen_pipeline(Tokenizer(BPE(vocab=vocab, merges=merges)))
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in TINY_SPECIAL_TOKENS])
+    found = {token: backend.token_to_id(token) for token in TINY_SPECIAL_TOKENS}
+    assert found == TINY_SPECIAL_TOKENS, found
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        clean_up_tokenization_spaces=False,
+        model_max_length=TINY_TEXT_CONFIG["max_position_embeddings"],
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_processor(family: str):
+    """The family's transformers processor: the tiny preset's image and video processors, the tiny tokenizer."""
+    cls = family_class(family)
+    preset = resolve_preset(family, "tiny")
+    return PROCESSOR_CLASSES[family](
+        image_processor=cls.image_processor_class(**preset.image_processor),
+        tokenizer=build_tiny_tokenizer(),
+        video_processor=cls.video_processor_class(**preset.video_processor),
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def save_tiny_vlm(family: str, directory: str | Path, seed: int = 0) -> torch.nn.Module:
+    """Write a tiny full VLM (seeded random weights) and its processor to `directory`; return the model."""
+    torch.manual_seed(seed)
+    model = family_class(family).vlm_class(vlm_config("tiny", family)).eval()
+    model.save_pretrained(directory)
+    processor = build_tiny_processor(family)
+    processor.save_pretrained(directory)
+    # Hub repos also keep each processor's own file, which the image and video processor classes load.
+    processor.image_processor.save_pretrained(directory)
+    processor.video_processor.save_pretrained(directory)
+    return model

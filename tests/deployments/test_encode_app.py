@@ -1,0 +1,198 @@
+"""The app from configs/local.yaml, over HTTP and through the handle, against transformers per item."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+from ray import serve
+
+from models import from_preset
+from tests.deployments.media_helpers import (
+    b64,
+    decode_embedding,
+    image_file,
+    pattern,
+    reference_image,
+    reference_video,
+)
+from tests.helpers import reference_tower, relative_error
+from tests.serve_harness import ROOT
+
+TOLERANCE = 1e-4
+LOCAL = yaml.safe_load((ROOT / "configs/local.yaml").read_text())["applications"][0]
+
+
+@pytest.fixture(scope="module")
+def url(serve_harness):
+    return serve_harness.deploy("configs/local.yaml")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    encoder = from_preset(f"{LOCAL['args']['model']['family']}-{LOCAL['args']['model']['preset']}")
+    return encoder, reference_tower(encoder)
+
+
+def images_in_many_formats() -> list[tuple[str, bytes]]:
+    """(description, file bytes): PNG/JPEG/WebP/TIFF, modes RGB/RGBA/L/P/CMYK, many sizes."""
+    cases = []
+    for i, (width, height) in enumerate([(320, 240), (64, 64), (17, 900), (1000, 333), (250, 250)]):
+        rgb = pattern(width, height, seed=i)
+        cases.append((f"png rgb {width}x{height}", image_file(rgb, "PNG")))
+        cases.append((f"jpeg rgb {width}x{height}", image_file(rgb, "JPEG")))
+    rgba = pattern(200, 150, seed=7).convert("RGBA")
+    rgba.putalpha(Image.linear_gradient("L").resize((200, 150)))
+    cases += [
+        ("png rgba", image_file(rgba, "PNG")),
+        ("webp rgba", image_file(rgba, "WEBP")),
+        ("webp rgb", image_file(pattern(300, 200, seed=8), "WEBP")),
+        ("png L", image_file(pattern(128, 96, seed=9).convert("L"), "PNG")),
+        ("jpeg L", image_file(pattern(96, 128, seed=10).convert("L"), "JPEG")),
+        ("png P", image_file(pattern(160, 120, seed=11).convert("P"), "PNG")),
+        ("jpeg CMYK", image_file(pattern(180, 140, seed=12).convert("CMYK"), "JPEG")),
+        ("tiff rgb", image_file(pattern(90, 70, seed=13), "TIFF")),
+    ]
+    return cases
+
+
+def check_item(entry, expected_tokens, expected_deepstack, grid):
+    assert entry["grid_thw"] == grid
+    got = decode_embedding(entry)
+    assert list(got.shape) == list(expected_tokens.shape) == entry["shape"]
+    assert relative_error(got, expected_tokens) <= TOLERANCE
+    for layer, features in zip(entry["deepstack"], expected_deepstack):
+        assert relative_error(decode_embedding({"embedding": layer, "shape": entry["shape"]}), features) <= TOLERANCE
+
+
+def test_images_of_many_formats_and_modes_match_transformers(url, reference, serve_harness):
+    encoder, tower = reference
+    cases = images_in_many_formats()
+    with serve_harness.http() as client:
+        response = client.post(url + "/v1/encode", json={"items": [{"type": "image", "image": b64(d)} for _, d in cases]})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["model"] == "qwen3-vl-tiny"
+    assert [entry["index"] for entry in body["data"]] == list(range(len(cases)))
+    for (name, data), entry in zip(cases, body["data"]):
+        tokens, deepstack, grid = reference_image(encoder, tower, data)
+        assert entry["modality"] == "image", name
+        check_item(entry, tokens, deepstack, grid)
+    assert body["usage"]["vision_tokens"] == sum(entry["shape"][0] for entry in body["data"])
+
+
+def test_video_given_as_frames_matches_transformers(url, reference, serve_harness):
+    encoder, tower = reference
+    frames = [image_file(pattern(160, 120, seed=s), "PNG") for s in range(6)]
+    with serve_harness.http() as client:
+        response = client.post(
+            url + "/v1/encode",
+            json={"items": [{"type": "video", "frames": [b64(f) for f in frames]}], "encoding_format": "float"},
+        )
+    assert response.status_code == 200, response.text
+    entry = response.json()["data"][0]
+    assert entry["modality"] == "video"
+    check_item(entry, *reference_video(encoder, tower, frames))
+
+
+def test_64_concurrent_requests_get_their_own_items(url, reference, serve_harness):
+    """Packing across concurrent requests never mixes or reorders items."""
+    encoder, tower = reference
+    rng = np.random.default_rng(0)
+    requests = []
+    for r in range(64):
+        sizes = [(int(rng.integers(40, 500)), int(rng.integers(40, 500))) for _ in range(int(rng.integers(1, 4)))]
+        requests.append([image_file(pattern(w, h, seed=1000 * r + i), "PNG") for i, (w, h) in enumerate(sizes)])
+    with serve_harness.http() as client:
+
+        def send(files):
+            return client.post(url + "/v1/encode", json={"items": [{"type": "image", "image": b64(f)} for f in files]})
+
+        with ThreadPoolExecutor(64) as pool:
+            responses = list(pool.map(send, requests))
+        stats = client.get(url + "/v1/models").json()["data"][0]["router"]["packs"]
+    for files, response in zip(requests, responses):
+        assert response.status_code == 200, response.text
+        for data, entry in zip(files, response.json()["data"]):
+            check_item(entry, *reference_image(encoder, tower, data))
+    assert stats["max_requests_in_a_pack"] >= 2
+    assert stats["mean_requests_per_pack"] > 1.0, stats
+
+
+def test_lone_request_is_served_within_max_wait_plus_compute(url, serve_harness):
+    max_wait_s = LOCAL["args"]["router"]["max_wait_ms"] / 1e3
+    item = {"type": "image", "image": b64(image_file(pattern(300, 300), "PNG"))}
+    handle = serve.get_deployment_handle("EncoderReplica", app_name="encoder")
+    with serve_harness.http() as client:
+        client.post(url + "/v1/encode", json={"items": [item]}).raise_for_status()  # warm
+        start = time.perf_counter()
+        client.post(url + "/v1/encode", json={"items": [item]}).raise_for_status()
+        latency = time.perf_counter() - start
+    describe = handle.describe.remote().result()
+    assert describe["stats"]["packs"] >= 2
+    # compute: the same pack straight on the replica, bypassing the router
+    from deployments.encoder import PackRequest
+
+    encoder = from_preset("qwen3-vl-tiny")
+    pixels = encoder.preprocessor.resize_image(torch.from_numpy(np.asarray(pattern(300, 300)).transpose(2, 0, 1).copy()))
+    spec = encoder.preprocessor.spec("image", 1, *pixels.shape[-2:])
+    start = time.perf_counter()
+    handle.encode_pack.remote(PackRequest(0, "image", [pixels], [spec])).result()
+    compute = time.perf_counter() - start
+    assert latency < max_wait_s + compute + 0.5, (latency, compute)
+
+
+def test_python_handle_takes_pil_bytes_and_video_frames(url, reference):
+    encoder, tower = reference
+    pil = pattern(200, 100, seed=3)
+    png = image_file(pattern(120, 260, seed=4), "PNG")
+    frames = [image_file(pattern(96, 96, seed=s), "PNG") for s in range(4)]
+    handle = serve.get_app_handle("encoder")
+    results = handle.encode.remote([pil, png, {"type": "video", "frames": frames}]).result()
+    assert [r.modality for r in results] == ["image", "image", "video"]
+    expected = [
+        reference_image(encoder, tower, image_file(pil, "PNG")),
+        reference_image(encoder, tower, png),
+        reference_video(encoder, tower, frames),
+    ]
+    for result, (tokens, deepstack, grid) in zip(results, expected):
+        assert list(result.grid_thw) == grid
+        assert relative_error(result.embedding, tokens) <= TOLERANCE
+        assert relative_error(result.deepstack, deepstack) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ({"items": [{"type": "image", "image": "not base64!!"}]}, 400, "items[0]"),
+        ({"items": [{"type": "image", "image": b64(b"hello")}]}, 400, "items[0]"),
+        ({"items": [{"type": "image", "image": "", "extra": 1}]}, 400, "items[0]"),
+        ({"items": [{"type": "audio", "audio": "x"}]}, 400, "items[0]"),
+        ({"items": []}, 400, "items"),
+        ({"items": [{"type": "image", "image": b64(image_file(pattern(10, 10), "PNG"))}] * 65}, 413, "items"),
+    ],
+)
+def test_bad_requests_get_4xx_naming_the_item_and_good_ones_still_work(url, serve_harness, body, status, param):
+    good = {"items": [{"type": "image", "image": b64(image_file(pattern(64, 64), "PNG"))}]}
+    with serve_harness.http() as client:
+        response = client.post(url + "/v1/encode", json=body)
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and error["message"]
+        assert client.post(url + "/v1/encode", json=good).status_code == 200
+
+
+def test_health_models_and_docs(url, serve_harness):
+    with serve_harness.http() as client:
+        assert client.get(url + "/health").json() == {"status": "ok"}
+        model = client.get(url + "/v1/models").json()["data"][0]
+        assert model["id"] == "qwen3-vl-tiny" and model["family"] == "qwen3-vl"
+        assert model["budgets"][-1] == LOCAL["args"]["graphs"]["max_budget_tokens"]
+        assert model["encoder_replicas"] == {"RUNNING": 1}
+        assert client.get(url + "/docs").status_code == 200
+        assert "/v1/encode" in client.get(url + "/openapi.json").json()["paths"]

@@ -1,0 +1,137 @@
+"""The pack scheduler without Ray: when packs close, cancellation, backpressure, failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from deployments.scheduler import Overloaded, PackScheduler, QueuedItem
+from models.protocol import ItemOutput, ItemSpec
+
+
+def spec(tokens: int, modality: str = "image", frames: int = 1) -> ItemSpec:
+    side = int((tokens * 4 // frames) ** 0.5)
+    return ItemSpec(modality, (frames, side, (tokens * 4 // frames) // side), tokens * 4, tokens)
+
+
+class Recorder:
+    """A dispatch that records packs and answers each item with its own token count."""
+
+    def __init__(self, delay_s: float = 0.0, fail: bool = False):
+        self.packs: list[list[QueuedItem]] = []
+        self.delay_s, self.fail = delay_s, fail
+
+    async def __call__(self, modality, items):
+        self.packs.append(items)
+        await asyncio.sleep(self.delay_s)
+        if self.fail:
+            raise RuntimeError("replica died")
+        return [ItemOutput(tokens=torch.full((i.spec.output_tokens, 1), float(i.spec.output_tokens))) for i in items]
+
+
+def scheduler(dispatch, max_wait_s=0.05, **kwargs) -> PackScheduler:
+    options = dict(ladder=(64, 256, 1024), max_items=8, max_segments=16, target_fill=0.9, max_queued_tokens=10_000)
+    options.update(kwargs)
+    return PackScheduler(dispatch=dispatch, max_wait_s=max_wait_s, **options)
+
+
+def items(tokens: list[int], request_id: str, modality: str = "image") -> list[QueuedItem]:
+    loop = asyncio.get_running_loop()
+    return [QueuedItem(torch.zeros(1), spec(t, modality), request_id, loop.create_future()) for t in tokens]
+
+
+def test_items_of_several_requests_share_a_pack_and_get_their_own_outputs():
+    async def main():
+        recorder = Recorder()
+        sched = scheduler(recorder)
+        a, b = items([100, 40], "a"), items([70], "b")
+        sched.submit(a)
+        sched.submit(b)
+        outputs = await asyncio.gather(*(i.future for i in a + b))
+        return recorder, sched, outputs
+
+    recorder, sched, outputs = asyncio.run(main())
+    assert len(recorder.packs) == 1 and len(recorder.packs[0]) == 3
+    assert [o.tokens.shape[0] for o in outputs] == [100, 40, 70]
+    assert sched.stats.snapshot()["mean_requests_per_pack"] == 2.0
+
+
+def test_a_full_pack_leaves_at_once_and_a_partial_one_after_max_wait():
+    async def main():
+        recorder = Recorder()
+        sched = scheduler(recorder, max_wait_s=0.3)
+        loop = asyncio.get_running_loop()
+        full = items([950], "full")  # >= 0.9 * 1024
+        start = loop.time()
+        sched.submit(full)
+        await full[0].future
+        full_latency = loop.time() - start
+        partial = items([10], "partial")
+        start = loop.time()
+        sched.submit(partial)
+        await partial[0].future
+        return full_latency, loop.time() - start
+
+    full_latency, partial_latency = asyncio.run(main())
+    assert full_latency < 0.2
+    assert 0.29 <= partial_latency < 1.0
+
+
+def test_cancelled_items_are_dropped_before_their_pack_is_sent():
+    async def main():
+        recorder = Recorder()
+        sched = scheduler(recorder, max_wait_s=0.1)
+        gone, kept = items([30, 30], "gone"), items([20], "kept")
+        sched.submit(gone)
+        sched.submit(kept)
+        for item in gone:
+            item.future.cancel()  # the client went away
+        await kept[0].future
+        return recorder, sched
+
+    recorder, sched = asyncio.run(main())
+    assert [[i.request_id for i in p] for p in recorder.packs] == [["kept"]]
+    assert sched.stats.dropped_cancelled == 2
+
+
+def test_modalities_never_share_a_pack_and_oldest_goes_first():
+    async def main():
+        recorder = Recorder()
+        sched = scheduler(recorder, max_wait_s=0.05)
+        video = items([50], "v", modality="video")
+        image = items([50], "i")
+        sched.submit(video)
+        sched.submit(image)
+        await asyncio.gather(video[0].future, image[0].future)
+        return recorder
+
+    recorder = asyncio.run(main())
+    assert [[i.spec.modality for i in p] for p in recorder.packs] == [["video"], ["image"]]
+
+
+def test_queued_tokens_are_bounded():
+    async def main():
+        sched = scheduler(Recorder(delay_s=0.2), max_queued_tokens=500, max_wait_s=0.0)
+        first = items([400], "first")
+        sched.submit(first)
+        with pytest.raises(Overloaded, match="max_queued_tokens=500"):
+            sched.submit(items([200], "second"))
+        await first[0].future
+        sched.submit(items([200], "third"))  # room again once the first is done
+
+    asyncio.run(main())
+
+
+def test_a_failed_pack_fails_each_of_its_items():
+    async def main():
+        sched = scheduler(Recorder(fail=True), max_wait_s=0.0)
+        batch = items([10, 20], "x")
+        sched.submit(batch)
+        results = await asyncio.gather(*(i.future for i in batch), return_exceptions=True)
+        return sched, results
+
+    sched, results = asyncio.run(main())
+    assert all(isinstance(r, RuntimeError) for r in results)
+    assert sched.stats.failed_packs == 1 and sched.queued_tokens == 0
