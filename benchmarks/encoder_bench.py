@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from encoder_graphs.runner import EncoderRunner, GraphConfig  # noqa: E402
-from models import from_preset  # noqa: E402
+from models import attention, from_preset  # noqa: E402
 from models.protocol import ItemSpec  # noqa: E402
 
 CASES = {
@@ -208,11 +208,14 @@ def main() -> None:
     parser.add_argument("--max-budget-tokens", type=int, default=8192)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="encoder_bench")
+    parser.add_argument("--attention", default="auto", choices=["auto", "flash"])
+    parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     peak = measure_peak_tflops(device)
-    config = GraphConfig(max_budget_tokens=args.max_budget_tokens)
+    attention.set_backend(args.attention)
+    config = GraphConfig(max_budget_tokens=args.max_budget_tokens, compile=args.compile)
     import transformers
 
     record = {
@@ -222,13 +225,16 @@ def main() -> None:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "dtype": args.dtype,
+        "attention": args.attention,
+        "compile": args.compile,
         "peak_bf16_tflops": peak,
         "date": time.strftime("%Y-%m-%d"),
         "results": [bench_preset(p, device, dtype, config, peak) for p in args.presets],
     }
     header = (
         f"Device {record['device']}, torch {record['torch']}, transformers {record['transformers']}, "
-        f"{args.dtype}, measured matmul peak {peak:.0f} TFLOP/s, {record['date']}\n"
+        f"{args.dtype}, attention {args.attention}, compile {args.compile}, "
+        f"measured matmul peak {peak:.0f} TFLOP/s, {record['date']}\n"
         f"Command: {record['command']}\n"
     )
     tables = "\n\n".join(format_table(r) for r in record["results"])

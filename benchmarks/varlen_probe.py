@@ -19,6 +19,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models import attention  # noqa: E402
+
 
 def time_ms(fn, repeats: int = 20) -> float:
     for _ in range(3):
@@ -63,7 +67,33 @@ def main() -> None:
         "head_dim": dim,
         "results": results,
     }
+    record["backends"] = compare_backends()
     (out / "varlen_probe.json").write_text(json.dumps(record, indent=2))
+
+
+def compare_backends() -> list[dict]:
+    """varlen_attn's own choice (cuDNN on Hopper with cuDNN >= 9.18) vs FlashAttention-2, exact slots."""
+    rows = []
+    for head_dim in (72, 80):
+        for segment, count in ((64, 512), (256, 128), (1024, 32), (4096, 8), (12544, 1), (16384, 2)):
+            total = segment * count
+            q, k, v = (torch.randn(total, 16, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            offsets = torch.arange(0, total + 1, segment, dtype=torch.int32, device="cuda")
+            timings = {}
+            for backend in ("auto", "flash"):
+                attention.set_backend(backend)
+                timings[backend] = time_ms(lambda: attention._varlen_cuda(q, k, v, offsets, segment, None))
+            attention.set_backend("auto")
+            reference = torch.nn.functional.scaled_dot_product_attention(
+                *(t[:segment].transpose(0, 1) for t in (q, k, v))
+            ).transpose(0, 1)
+            rows.append({"head_dim": head_dim, "segment": segment, "segments": count, **{f"{b}_ms": t for b, t in timings.items()}})
+            print(f"head_dim {head_dim} segment {segment:6d} x {count:4d}: auto {timings['auto']:.3f} ms, flash {timings['flash']:.3f} ms")
+            attention.set_backend("flash")
+            flash_out = attention._varlen_cuda(q, k, v, offsets, segment, None)[:segment]
+            attention.set_backend("auto")
+            assert (flash_out.float() - reference.float()).abs().max() < 2e-2
+    return rows
 
 
 if __name__ == "__main__":

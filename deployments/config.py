@@ -36,6 +36,9 @@ class ModelSettings(_Strict):
         "auto", description="Tower dtype; auto: bfloat16 on CUDA, float32 on CPU."
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where encoder replicas run the tower.")
+    attention: Literal["auto", "flash"] = Field(
+        "auto", description="CUDA varlen attention kernel: auto (varlen_attn's choice) or flash (FlashAttention-2)."
+    )
 
     @model_validator(mode="after")
     def _check_preset(self) -> "ModelSettings":
@@ -66,6 +69,7 @@ class GraphSettings(_Strict):
     cuda_graphs: bool = Field(True, description="Capture CUDA graphs (CUDA only).")
     self_check: bool = Field(True, description="Check every graph against eager at startup.")
     memory_fraction: float = Field(0.8, gt=0, le=1, description="Share of free GPU memory graphs may use.")
+    compile: bool = Field(False, description="torch.compile the forward before capture (slower startup).")
 
     def to_config(self) -> GraphConfig:
         values = self.model_dump()

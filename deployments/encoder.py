@@ -19,7 +19,7 @@ import torch
 from ray import serve
 
 from encoder_graphs.runner import EncoderRunner
-from models import from_checkpoint, from_preset
+from models import attention, from_checkpoint, from_preset
 from models.protocol import ItemOutput, ItemSpec
 
 from .config import AppConfig
@@ -53,6 +53,7 @@ def load_encoder(config: AppConfig):
     if model.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("model.device is 'cuda' but this replica sees no CUDA device (is num_gpus set to 1?)")
     dtype = resolve_dtype(model.dtype, model.device)
+    attention.set_backend(model.attention)
     if model.path is not None:
         return from_checkpoint(model.path, family=model.family, dtype=dtype, device=model.device)
     return from_preset(model.preset, family=model.family, dtype=dtype, device=model.device)

@@ -21,11 +21,27 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ATTN_IMPLEMENTATION = "flash_varlen_encoder"
+BACKENDS = ("auto", "flash")
+_backend = "auto"
+
+
+def set_backend(name: str) -> None:
+    """CUDA kernel for varlen attention: "auto" lets `varlen_attn` pick (cuDNN on Hopper with a
+    recent cuDNN, else FlashAttention-2); "flash" always calls FlashAttention-2 directly."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r} is not one of {BACKENDS}")
+    _backend = name
 
 
 def _varlen_cuda(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
+    if _backend == "flash":
+        out = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False, scale=scale
+        )
+        return out[0]
     if scale is None or math.isclose(scale, q.shape[-1] ** -0.5):
         # The default scale; older torch releases (2.11) take no `scale` argument.
         return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)

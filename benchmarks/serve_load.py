@@ -1,0 +1,209 @@
+"""Load generator for the HTTP service: throughput, latency percentiles, correctness, router memory.
+
+    python benchmarks/serve_load.py --config configs/gpu.yaml --requests 512 --concurrency 32 --verify
+    python benchmarks/serve_load.py --url http://127.0.0.1:8000 --requests 2000 --concurrency 64 --bad-fraction 0.3
+
+With `--config` it starts Ray and Serve in this process and deploys the YAML as `serve run`
+would; with `--url` it loads a running service. Each request carries 1-3 images of mixed
+sizes (PNG); `--bad-fraction` of them carry one malformed item instead (must get a 4xx).
+`--verify` compares every returned embedding with the models/ eager path run here on the
+same weights (the YAML's preset and seed), within `--tolerance` (relative, max-abs). Prints
+a table and saves JSON with device, versions and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SIZES = [(224, 224), (448, 448), (640, 480), (896, 896), (1280, 720), (300, 1000)]
+BAD_ITEMS = [
+    {"type": "image", "image": "%%% not base64 %%%"},
+    {"type": "image", "image": base64.b64encode(b"definitely not an image").decode()},
+    {"type": "image", "image": base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40).decode()},
+    {"type": "image", "image": "", "unknown_field": 1},
+]
+
+
+def image_pool(count: int, seed: int = 0) -> list[bytes]:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    pool = []
+    for i in range(count):
+        width, height = SIZES[i % len(SIZES)]
+        array = rng.integers(0, 255, (height, width, 3), dtype=np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(array).save(buffer, "PNG")
+        pool.append(buffer.getvalue())
+    return pool
+
+
+def make_requests(total: int, bad_fraction: float, pool: list[bytes], seed: int = 1) -> list[tuple[bool, list]]:
+    rng = np.random.default_rng(seed)
+    requests = []
+    for _ in range(total):
+        picks = [int(i) for i in rng.integers(0, len(pool), int(rng.integers(1, 4)))]
+        items = [{"type": "image", "image": base64.b64encode(pool[p]).decode()} for p in picks]
+        bad = bool(rng.random() < bad_fraction)
+        if bad:
+            items[int(rng.integers(0, len(items)))] = BAD_ITEMS[int(rng.integers(0, len(BAD_ITEMS)))]
+        requests.append((bad, items, picks))
+    return requests
+
+
+async def run_load(url: str, requests, concurrency: int, timeout_s: float) -> list[dict]:
+    semaphore = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+
+        async def one(index: int, request) -> dict:
+            bad, items, picks = request
+            async with semaphore:
+                start = time.perf_counter()
+                try:
+                    response = await client.post(url + "/v1/encode", json={"items": items})
+                    status, body = response.status_code, response.json()
+                except (httpx.HTTPError, ValueError) as exc:
+                    status, body = -1, {"error": {"message": repr(exc)}}
+                return {
+                    "index": index, "bad": bad, "picks": picks, "status": status, "body": body,
+                    "latency_s": time.perf_counter() - start,
+                }
+
+        return await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+
+
+def verify(results: list[dict], pool: list[bytes], model_args: dict, tolerance: float) -> dict:
+    """Worst relative error of every good response against models/ eager on the same weights."""
+    import torch
+    from PIL import Image
+
+    from deployments.encoder import load_encoder
+    from deployments.config import AppConfig
+
+    encoder = load_encoder(AppConfig.model_validate({"model": model_args}))
+    pre = encoder.preprocessor
+    cache: dict[int, torch.Tensor] = {}
+    worst, checked, failures = 0.0, 0, 0
+    for result in results:
+        if result["bad"] or result["status"] != 200:
+            continue
+        for pick, entry in zip(result["picks"], result["body"]["data"]):
+            if pick not in cache:
+                image = torch.from_numpy(np.asarray(Image.open(io.BytesIO(pool[pick])).convert("RGB")).copy())
+                resized = pre.resize_image(image.permute(2, 0, 1).contiguous())
+                spec = pre.spec("image", 1, *resized.shape[-2:])
+                pixels = pre.pixel_values([resized], "image", device=encoder.device).to(encoder.dtype)
+                cache[pick] = encoder.forward_eager(pixels, [spec]).tokens.float().cpu()
+            got = torch.from_numpy(
+                np.frombuffer(base64.b64decode(entry["embedding"]), "<f4").reshape(entry["shape"]).copy()
+            )
+            expected = cache[pick]
+            error = ((got - expected).abs().max() / expected.abs().max()).item()
+            worst = max(worst, error)
+            failures += error > tolerance or got.shape != expected.shape
+            checked += 1
+    return {"items_checked": checked, "worst_relative_error": worst, "failures": failures, "tolerance": tolerance}
+
+
+def summarize(results: list[dict], wall_s: float) -> dict:
+    good = [r for r in results if not r["bad"]]
+    bad = [r for r in results if r["bad"]]
+    latencies = sorted(r["latency_s"] for r in good if r["status"] == 200)
+    tokens = sum(r["body"]["usage"]["vision_tokens"] for r in good if r["status"] == 200)
+
+    def percentile(p: float) -> float:
+        return latencies[min(len(latencies) - 1, int(p * len(latencies)))] * 1e3 if latencies else float("nan")
+
+    statuses: dict[str, int] = {}
+    for r in results:
+        statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
+    return {
+        "requests": len(results),
+        "good_ok": sum(r["status"] == 200 for r in good),
+        "good_failed": sum(r["status"] != 200 for r in good),
+        "bad_4xx": sum(400 <= r["status"] < 500 for r in bad),
+        "bad_not_4xx": sum(not 400 <= r["status"] < 500 for r in bad),
+        "statuses": statuses,
+        "wall_s": wall_s,
+        "requests_per_s": len(results) / wall_s,
+        "vision_tokens_per_s": tokens / wall_s,
+        "p50_ms": percentile(0.50),
+        "p90_ms": percentile(0.90),
+        "p99_ms": percentile(0.99),
+        "mean_ms": statistics.fmean(latencies) * 1e3 if latencies else float("nan"),
+    }
+
+
+def deploy(config_path: str) -> tuple[str, dict]:
+    import yaml
+
+    from tests.serve_harness import ServeHarness
+
+    harness = ServeHarness()
+    url = harness.deploy(config_path)
+    return url, yaml.safe_load(Path(config_path).read_text())["applications"][0]["args"]["model"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="YAML to deploy in this process")
+    parser.add_argument("--url", help="a running service")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--bad-fraction", type=float, default=0.0)
+    parser.add_argument("--verify", action="store_true")
+    parser.add_argument("--tolerance", type=float, default=3e-2)
+    parser.add_argument("--timeout-s", type=float, default=120)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--tag", default="serve_load")
+    args = parser.parse_args()
+    if not args.config and not args.url:
+        parser.error("give --config or --url")
+    url, model_args = deploy(args.config) if args.config else (args.url, None)
+    pool = image_pool(24)
+    asyncio.run(run_load(url, make_requests(8, 0.0, pool, seed=99), 8, args.timeout_s))  # warm-up
+    requests = make_requests(args.requests, args.bad_fraction, pool)
+    start = time.perf_counter()
+    results = asyncio.run(run_load(url, requests, args.concurrency, args.timeout_s))
+    summary = summarize(results, time.perf_counter() - start)
+    summary["router"] = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["router"]
+    if args.verify:
+        summary["verify"] = verify(results, pool, model_args, args.tolerance)
+    import torch
+    import transformers
+
+    record = {
+        "command": " ".join(sys.argv),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "config": args.config,
+        "concurrency": args.concurrency,
+        "summary": summary,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.tag}.json").write_text(json.dumps(record, indent=2))
+    print(json.dumps(record, indent=2))
+    failed = summary["good_failed"] or summary["bad_not_4xx"] or (args.verify and summary["verify"]["failures"])
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
