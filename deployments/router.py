@@ -9,18 +9,16 @@ logged and becomes a 500.
 
 
 import asyncio
-import base64
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from PIL import Image
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -33,6 +31,7 @@ from . import media
 from .config import AppConfig
 from .encoder import PackRequest
 from .errors import RequestError, item_error, overloaded
+from .responses import encode_response_json
 from .scheduler import Overloaded, PackScheduler, QueuedItem
 from .schemas import EncodeRequest, EncodeResponse, ErrorResponse, ImageItem
 
@@ -86,13 +85,6 @@ class EncodeResult:
     """`[num_deepstack, tokens, hidden]` (Qwen3-VL) or None."""
 
 
-def _tensor_payload(tensor: torch.Tensor, encoding_format: str) -> str | list:
-    array = tensor.float().numpy()
-    if encoding_format == "float":
-        return array.tolist()
-    return base64.b64encode(array.astype("<f4").tobytes()).decode("ascii")
-
-
 @serve.deployment(max_ongoing_requests=256)
 @serve.ingress(api)
 class EncoderRouter:
@@ -118,23 +110,13 @@ class EncoderRouter:
     # ---- HTTP ----
 
     @api.post("/v1/encode", response_model=EncodeResponse)
-    async def encode_http(self, body: EncodeRequest) -> dict:
+    async def encode_http(self, body: EncodeRequest) -> Response:
         raw = [self._raw_from_http(index, item) for index, item in enumerate(body.items)]
         results = await self._encode(raw)
-        data = []
-        for result in results:
-            entry = {
-                "index": result.index,
-                "modality": result.modality,
-                "grid_thw": list(result.grid_thw),
-                "shape": list(result.embedding.shape),
-                "embedding": _tensor_payload(result.embedding, body.encoding_format),
-            }
-            if result.deepstack is not None:
-                entry["deepstack"] = [_tensor_payload(layer, body.encoding_format) for layer in result.deepstack]
-            data.append(entry)
-        tokens = sum(r.embedding.shape[0] for r in results)
-        return {"model": self.config.model.model_id, "data": data, "usage": {"vision_tokens": tokens}}
+        content = await asyncio.to_thread(
+            encode_response_json, self.config.model.model_id, results, body.encoding_format
+        )
+        return Response(content=content, media_type="application/json")
 
     @api.get("/health")
     async def health(self) -> dict:
@@ -155,6 +137,7 @@ class EncoderRouter:
                     "budgets": list(self.ladder),
                     "encoder_replicas": {str(k): v for k, v in replicas.items()},
                     "router": self.router_stats(),
+                    "encoder": await self.encoder.describe.remote(),
                 }
             ],
         }
