@@ -165,7 +165,7 @@ def deploy(config_path: str) -> tuple[str, dict]:
 
     from tests.serve_harness import ServeHarness
 
-    harness = ServeHarness()
+    harness = ServeHarness(num_cpus=None)
     url = harness.deploy(config_path)
     return url, yaml.safe_load(Path(config_path).read_text())["applications"][0]["args"]["model"]
 

@@ -30,9 +30,11 @@ def free_port() -> int:
 
 
 class ServeHarness:
-    def __init__(self):
+    def __init__(self, num_cpus: int | None = 4):
+        """`num_cpus`: logical CPUs of the local cluster (tests use 4 with `num_cpus: 0` replicas;
+        None lets Ray count the machine's cores, as on a GPU host)."""
         if not ray.is_initialized():
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
         self.port = free_port()
         self.http_options = {"host": "127.0.0.1", "port": self.port}
         self.client = serve_api.serve_start(http_options=self.http_options, proxy_location="HeadOnly")
