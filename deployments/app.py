@@ -6,7 +6,8 @@
         args: {model: {family: qwen3-vl, preset: tiny}}   # validated as AppConfig
 
 The builder validates first (pydantic, `extra="forbid"`), then binds: an `EncoderRouter`
-ingress in front of `EncoderReplica`s routed by queued tokens. Each deployment's Serve
+ingress in front of `EncoderReplica`s routed by queued tokens and, when `llm` is set, an
+`LLMReplica` deployment fed with the encoders' embeddings (E/PD). Each deployment's Serve
 options (replicas, `ray_actor_options`, autoscaling) can be overridden in the YAML's
 `deployments:` section by these names.
 """
@@ -18,6 +19,7 @@ from ray.serve.config import RequestRouterConfig
 
 from .config import AppConfig
 from .encoder import EncoderReplica
+from .llm import LLMReplica
 from .router import EncoderRouter
 from .routing import FewestQueuedTokensRouter
 
@@ -39,4 +41,8 @@ def encoder_deployment(config: AppConfig):
 def build_app(args: AppConfig) -> Application:
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
     encoder = encoder_deployment(config).bind(config)
-    return EncoderRouter.bind(config, encoder)
+    llm = None
+    if config.llm is not None:
+        resources = {"num_cpus": 1, "num_gpus": 1 if config.llm.device == "cuda" else 0}
+        llm = LLMReplica.options(ray_actor_options=resources).bind(config)
+    return EncoderRouter.bind(config, encoder, llm)

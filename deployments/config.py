@@ -109,6 +109,20 @@ class Limits(_Strict):
     max_tokens_per_request: int = Field(65536, gt=0, description="Most output tokens of one request.")
 
 
+class LLMSettings(_Strict):
+    """The downstream LLM of encoder disaggregation (language side only; the tower is on the encoders)."""
+
+    family: Literal["qwen2-vl", "qwen2.5-vl", "qwen3-vl"] = Field(
+        "qwen3-vl", description="Model family; must match the encoder's."
+    )
+    preset: Literal["tiny"] = Field("tiny", description="Random-weight preset (tiny). Ignored when `path` is set.")
+    path: str | None = Field(None, description="Full VLM checkpoint (dir or hub id) with its tokenizer.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: bf16 on CUDA, fp32 on CPU.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where LLM replicas run.")
+    seed: int = Field(0, description="Seed of the preset's random weights.")
+    max_tokens: int = Field(512, gt=0, description="Largest max_tokens a request may ask for.")
+
+
 class AppConfig(_Strict):
     """Arguments of `deployments.app:build_app` (the YAML's `args`)."""
 
@@ -116,3 +130,16 @@ class AppConfig(_Strict):
     graphs: GraphSettings = Field(default_factory=GraphSettings, description="Budgets and CUDA graphs.")
     router: RouterSettings = Field(default_factory=RouterSettings, description="Packing and backpressure.")
     limits: Limits = Field(default_factory=Limits, description="Input limits.")
+    llm: LLMSettings | None = Field(
+        None, description="Downstream LLM (enables /v1/chat/completions); None: encoder only."
+    )
+
+    @model_validator(mode="after")
+    def _check_families(self) -> "AppConfig":
+        if self.llm is not None and self.model.path is None and self.llm.path is None:
+            if self.llm.family != self.model.family:
+                raise ValueError(
+                    f"llm.family {self.llm.family!r} differs from model.family {self.model.family!r}; "
+                    "the LLM must take the encoder's embeddings: use the same family"
+                )
+        return self

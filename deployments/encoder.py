@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import ray
 import torch
 from ray import serve
 
@@ -36,6 +37,9 @@ class PackRequest:
     pixels: list[torch.Tensor]
     """uint8 resized items (`[3, h, w]` or `[T, 3, h, w]`), in pack order."""
     specs: list[ItemSpec]
+    as_refs: list[bool] | None = None
+    """Per item: return a Ray object reference (kept in this replica's object store) instead of
+    the tensors, so a downstream LLM replica can fetch it without a copy through the router."""
 
     @property
     def tokens(self) -> int:
@@ -96,10 +100,12 @@ class EncoderReplica:
         device = self.encoder.device
         pixel_values = self.encoder.preprocessor.pixel_values(pack.pixels, pack.modality, device=device)
         outputs = self.runner.run(pixel_values.to(self.encoder.dtype), pack.specs)
-        return [
-            ItemOutput(tokens=out.tokens.cpu(), deepstack=None if out.deepstack is None else out.deepstack.cpu())
-            for out in outputs
-        ]
+        as_refs = pack.as_refs or [False] * len(outputs)
+        results = []
+        for out, as_ref in zip(outputs, as_refs):
+            item = ItemOutput(tokens=out.tokens.cpu(), deepstack=None if out.deepstack is None else out.deepstack.cpu())
+            results.append(ray.put(item) if as_ref else item)
+        return results
 
     def record_routing_stats(self) -> dict:
         return {"queued_tokens": self._queued_tokens + self._inflight_tokens}

@@ -9,6 +9,7 @@ logged and becomes a 500.
 
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from PIL import Image
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -29,7 +30,9 @@ from models.protocol import ItemOutput
 
 from . import media
 from .config import AppConfig
+from .chat import ChatRequest, completion, split_messages, sse_chunk, usage
 from .encoder import PackRequest
+from .llm import GenerateRequest
 from .errors import RequestError, item_error, overloaded
 from .responses import encode_response_json
 from .scheduler import Overloaded, PackScheduler, QueuedItem
@@ -88,9 +91,11 @@ class EncodeResult:
 @serve.deployment(max_ongoing_requests=256)
 @serve.ingress(api)
 class EncoderRouter:
-    def __init__(self, config: AppConfig, encoder: DeploymentHandle):
+    def __init__(self, config: AppConfig, encoder: DeploymentHandle, llm: DeploymentHandle | None = None):
         self.config = config
         self.encoder = encoder
+        self.llm = llm
+        self.embedding_bytes_received = 0
         model = config.model
         self.family, self.preprocessor = load_preprocessor(model.preset, model.family, model.path)
         graphs = config.graphs.to_config()
@@ -154,6 +159,57 @@ class EncoderRouter:
             raise item_error(index, 413, f"{len(item.frames)} frames exceeds max_video_frames={limits.max_video_frames}")
         return "frames", [media.decode_base64(frame, index, limits) for frame in item.frames]
 
+    @api.post("/v1/chat/completions")
+    async def chat_http(self, body: ChatRequest):
+        request = await self._chat_request(body)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._chat_stream(request, include_usage), media_type="text/event-stream")
+        result = await self.llm.generate.remote(request)
+        return completion(self.config.model.model_id, result)
+
+    async def chat(self, messages: list[dict], **params) -> dict:
+        """The chat endpoint through the Python handle: OpenAI-shaped messages in, a chat.completion out."""
+        body = ChatRequest.model_validate({"messages": messages, **params, "stream": False})
+        return await self.chat_http(body)
+
+    async def _chat_request(self, body: ChatRequest) -> GenerateRequest:
+        if self.llm is None:
+            raise RequestError(404, "this deployment has no LLM (set `llm` in the app config)", error_type="not_found")
+        messages, urls = split_messages(body.messages)
+        raw = [("image", media.decode_base64(url, index, self.config.limits)) for index, url in enumerate(urls)]
+        decoded = await self._decode(raw)
+        refs = await self._enqueue(decoded, as_refs=True)
+        max_tokens = body.max_completion_tokens or body.max_tokens or 16
+        if max_tokens > self.config.llm.max_tokens:
+            raise RequestError(
+                400, f"max_tokens={max_tokens} exceeds the deployment's llm.max_tokens={self.config.llm.max_tokens}",
+                param="max_tokens",
+            )
+        return GenerateRequest(
+            messages=messages,
+            embeddings=refs,
+            grids=[d.spec.grid_thw for d in decoded],
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+        )
+
+    async def _chat_stream(self, request: GenerateRequest, include_usage: bool):
+        model = self.config.model.model_id
+        chunk_id = f"chatcmpl-{uuid.uuid4().hex}"
+        yield sse_chunk(chunk_id, model, {"role": "assistant", "content": ""})
+        async for piece in self.llm.options(stream=True).generate_stream.remote(request):
+            if piece.get("done"):
+                yield sse_chunk(chunk_id, model, {}, piece["finish_reason"])
+                if include_usage:
+                    counts = usage(piece["prompt_tokens"], piece["completion_tokens"], piece["vision_tokens"])
+                    yield f"data: {json.dumps({'id': chunk_id, 'object': 'chat.completion.chunk', 'model': model, 'choices': [], 'usage': counts})}\n\n"
+                break
+            yield sse_chunk(chunk_id, model, {"content": piece["text"]}, extra={"token_ids": piece["token_ids"]})
+        yield "data: [DONE]\n\n"
+
     # ---- Python handle ----
 
     async def encode(self, items: list) -> list[EncodeResult]:
@@ -172,6 +228,15 @@ class EncoderRouter:
     # ---- the shared path ----
 
     async def _encode(self, raw: list[tuple[str, Any]]) -> list[EncodeResult]:
+        decoded = await self._decode(raw)
+        outputs = await self._enqueue(decoded)
+        return [
+            EncodeResult(index, item.spec.modality, item.spec.grid_thw, out.tokens, out.deepstack)
+            for index, (item, out) in enumerate(zip(decoded, outputs))
+        ]
+
+    async def _decode(self, raw: list[tuple[str, Any]]) -> list[media.DecodedItem]:
+        """Check limits from headers, then decode and resize off the event loop."""
         limits = self.config.limits
         try:
             if len(raw) > limits.max_items_per_request:
@@ -185,11 +250,7 @@ class EncoderRouter:
         except RequestError as exc:
             self._count_rejection(exc)
             raise
-        outputs = await self._enqueue(decoded)
-        return [
-            EncodeResult(index, item.spec.modality, item.spec.grid_thw, out.tokens, out.deepstack)
-            for index, (item, out) in enumerate(zip(decoded, outputs))
-        ]
+        return decoded
 
     def _inspect(self, index: int, kind: str, value) -> media.InspectedItem:
         limits, pre = self.config.limits, self.preprocessor
@@ -205,10 +266,10 @@ class EncoderRouter:
         except Overloaded as exc:
             raise overloaded(str(exc), self.config.router.retry_after_s) from None
 
-    async def _enqueue(self, decoded: list[media.DecodedItem]) -> list[ItemOutput]:
+    async def _enqueue(self, decoded: list[media.DecodedItem], as_refs: bool = False) -> list:
         loop = asyncio.get_running_loop()
         request_id = uuid.uuid4().hex
-        queued = [QueuedItem(d.pixels, d.spec, request_id, loop.create_future()) for d in decoded]
+        queued = [QueuedItem(d.pixels, d.spec, request_id, loop.create_future(), as_ref=as_refs) for d in decoded]
         try:
             self.scheduler.submit(queued)
         except Overloaded as exc:
@@ -230,8 +291,20 @@ class EncoderRouter:
                     item.future.cancel()
 
     async def _dispatch(self, modality: str, items: list[QueuedItem]) -> list[ItemOutput]:
-        pack = PackRequest(self.scheduler.next_pack_id(), modality, [i.pixels for i in items], [i.spec for i in items])
-        return await self.encoder.encode_pack.remote(pack)
+        pack = PackRequest(
+            self.scheduler.next_pack_id(),
+            modality,
+            [i.pixels for i in items],
+            [i.spec for i in items],
+            as_refs=[i.as_ref for i in items],
+        )
+        outputs = await self.encoder.encode_pack.remote(pack)
+        self.embedding_bytes_received += sum(
+            o.tokens.nbytes + (0 if o.deepstack is None else o.deepstack.nbytes)
+            for o in outputs
+            if isinstance(o, ItemOutput)
+        )
+        return outputs
 
     def _count_rejection(self, error: RequestError) -> None:
         reason = {413: "limit", 415: "format", 503: "overloaded"}.get(error.status, "invalid")
@@ -242,4 +315,5 @@ class EncoderRouter:
             "packs": self.scheduler.stats.snapshot(),
             "queued_tokens": self.scheduler.queued_tokens,
             "rejected": dict(self.rejected),
+            "embedding_bytes_received": self.embedding_bytes_received,
         }

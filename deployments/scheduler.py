@@ -38,6 +38,8 @@ class QueuedItem:
     request_id: str
     future: asyncio.Future
     enqueued_at: float = field(default_factory=time.monotonic)
+    as_ref: bool = False
+    """Deliver the output as a Ray object reference held by the encoder replica (E/PD)."""
 
 
 @dataclass

@@ -44,13 +44,23 @@ class ServeHarness:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def deploy(self, yaml_path: str, name: str | None = None, route_prefix: str | None = None, **overrides) -> str:
-        """Deploy the YAML's (first) application; returns its base URL."""
+    def deploy(
+        self,
+        yaml_path: str,
+        name: str | None = None,
+        route_prefix: str | None = None,
+        deployments: dict[str, dict] | None = None,
+        **overrides,
+    ) -> str:
+        """Deploy the YAML's (first) application; returns its base URL. `overrides` merge into its
+        `args`; `deployments` merges Serve options into its `deployments:` entries by name."""
         config = yaml.safe_load((ROOT / yaml_path).read_text())
         app = dict(config["applications"][0])
         app["name"] = name or app["name"]
         app["route_prefix"] = route_prefix or app.get("route_prefix", "/")
         app["args"] = _merge(app.get("args", {}), overrides)
+        for entry in app.get("deployments", []):
+            entry.update((deployments or {}).get(entry["name"], {}))
         schema = ServeApplicationSchema.model_validate(app)
         if self.apps.get(schema.name) != schema:
             self.apps[schema.name] = schema

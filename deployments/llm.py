@@ -1,0 +1,234 @@
+"""The LLM replica of encoder disaggregation (E/PD): prefill/decode on precomputed embeddings.
+
+The model is transformers' own VLM class (`...ForConditionalGeneration`), so prompt
+splicing, multimodal rotary positions (from the grids) and Qwen3-VL's deepstack injection
+are transformers' code. Only its vision tower is replaced, by `PrecomputedVision`: a
+module that returns the embeddings the encoder replicas computed for this request. The
+embeddings arrive as Ray object references, fetched here straight from the encoder
+replica that produced them (the router only forwards the references).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import torch
+from ray import serve
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from models import family_class, vlm_config
+from models.protocol import ItemOutput
+from models.tiny_checkpoint import build_tiny_tokenizer
+
+from .config import AppConfig, LLMSettings
+from .encoder import resolve_dtype
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass
+class GenerateRequest:
+    """What the router sends: the chat messages (images as placeholders) and embedding references."""
+
+    messages: list[dict]
+    """HF chat-template messages; image parts are `{"type": "image"}`, in order."""
+    embeddings: list[Any]
+    """One Ray ObjectRef (resolving to an `ItemOutput`) per image, in message order."""
+    grids: list[tuple[int, int, int]]
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class GenerateResult:
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    vision_tokens: int
+    finish_reason: str
+    handoff: dict = field(default_factory=dict)
+    """Embedding handoff for this request: bytes fetched and milliseconds spent."""
+
+
+class PrecomputedVision(torch.nn.Module):
+    """Stands in for the vision tower: returns the embeddings set for the current request."""
+
+    def __init__(self, spatial_merge_size: int, dtype: torch.dtype, with_deepstack: bool):
+        super().__init__()
+        self.spatial_merge_size = spatial_merge_size
+        self._dtype = dtype
+        self.with_deepstack = with_deepstack
+        self.current: list[ItemOutput] = []
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def forward(self, pixel_values, grid_thw=None, **kwargs):
+        tokens = torch.cat([item.tokens for item in self.current])
+        if not self.with_deepstack:
+            return BaseModelOutputWithPooling(pooler_output=tokens)
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+        layers = torch.cat([item.deepstack for item in self.current], dim=1)
+        return BaseModelOutputWithDeepstackFeatures(pooler_output=tokens, deepstack_features=list(layers.unbind(0)))
+
+
+def load_language_model(settings: LLMSettings, device: str, dtype: torch.dtype):
+    """(VLM with its vision tower replaced, tokenizer). Presets get random weights (seeded)."""
+    cls = family_class(settings.family)
+    if settings.path is not None:
+        from transformers import AutoTokenizer
+
+        # from_pretrained reads the whole checkpoint; the tower is dropped right after loading.
+        model = cls.vlm_class.from_pretrained(settings.path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(settings.path)
+    else:
+        torch.manual_seed(settings.seed)
+        with torch.device(device):
+            model = cls.vlm_class._from_config(vlm_config(settings.preset, settings.family), dtype=dtype)
+        tokenizer = build_tiny_tokenizer()
+    vision = model.model.visual
+    model.model.visual = PrecomputedVision(
+        vision.spatial_merge_size, dtype, with_deepstack=hasattr(vision, "deepstack_merger_list")
+    )
+    del vision
+    return model.to(device).eval(), tokenizer
+
+
+def expand_image_pads(text: str, pad: str, counts: list[int]) -> str:
+    """Replace the i-th image placeholder with `counts[i]` copies (what the processor does from grids)."""
+    pieces = text.split(pad)
+    if len(pieces) - 1 != len(counts):
+        raise ValueError(f"prompt has {len(pieces) - 1} image placeholders for {len(counts)} images")
+    out = [pieces[0]]
+    for count, piece in zip(counts, pieces[1:]):
+        out += [pad * count, piece]
+    return "".join(out)
+
+
+@serve.deployment(max_ongoing_requests=16)
+class LLMReplica:
+    def __init__(self, config: AppConfig):
+        settings = config.llm
+        self.device = settings.device
+        self.model, self.tokenizer = load_language_model(settings, settings.device, resolve_dtype(settings.dtype, settings.device))
+        model_config = self.model.config
+        self.image_token_id = model_config.image_token_id
+        self.video_token_id = model_config.video_token_id
+        self.merge_unit = self.model.model.visual.spatial_merge_size**2
+        self.pad = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        self._lock = threading.Lock()
+        self.handoff_totals = {"images": 0, "bytes": 0, "ms": 0.0}
+
+    async def _fetch(self, request: GenerateRequest) -> tuple[list[ItemOutput], dict]:
+        start = time.perf_counter()
+        items = list(await asyncio.gather(*request.embeddings)) if request.embeddings else []
+        moved = sum(i.tokens.nbytes + (0 if i.deepstack is None else i.deepstack.nbytes) for i in items)
+        handoff = {"images": len(items), "bytes": moved, "ms": (time.perf_counter() - start) * 1e3}
+        for key in self.handoff_totals:
+            self.handoff_totals[key] += handoff[key]
+        return items, handoff
+
+    def _inputs(self, request: GenerateRequest) -> dict:
+        text = self.tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
+        counts = [t * h * w // self.merge_unit for t, h, w in request.grids]
+        ids = torch.tensor([self.tokenizer(expand_image_pads(text, self.pad, counts))["input_ids"]])
+        types = (ids == self.image_token_id).long() + 2 * (ids == self.video_token_id).long()
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": types}
+        if request.grids:
+            inputs["pixel_values"] = torch.zeros(1)  # a marker: the stub vision returns the real embeddings
+            inputs["image_grid_thw"] = torch.tensor([list(g) for g in request.grids])
+        return {k: v.to(self.device) for k, v in inputs.items()}
+
+    def _generate(self, request: GenerateRequest, items: list[ItemOutput], streamer=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt ids, new ids) for one request; generation runs one request at a time."""
+        with self._lock, torch.inference_mode():
+            self.model.model.visual.current = [self._to_device(i) for i in items]
+            inputs = self._inputs(request)
+            sampling = {"do_sample": False}
+            if request.temperature > 0:
+                if request.seed is not None:
+                    torch.manual_seed(request.seed)
+                sampling = {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p}
+            out = self.model.generate(
+                **inputs, max_new_tokens=request.max_tokens, streamer=streamer, pad_token_id=self.tokenizer.pad_token_id, **sampling
+            )
+            self.model.model.visual.current = []
+            return inputs["input_ids"], out[0, inputs["input_ids"].shape[1] :].cpu()
+
+    def _to_device(self, item: ItemOutput) -> ItemOutput:
+        dtype = self.model.model.visual.dtype
+        deepstack = None if item.deepstack is None else item.deepstack.to(self.device, dtype)
+        return ItemOutput(item.tokens.to(self.device, dtype), deepstack)
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        items, handoff = await self._fetch(request)
+        prompt, new = await asyncio.to_thread(self._generate, request, items)
+        ids = new.tolist()
+        eos = self.tokenizer.convert_tokens_to_ids(self.tokenizer.eos_token)
+        finish = "stop" if ids and ids[-1] == eos else "length"
+        return GenerateResult(
+            token_ids=ids,
+            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            prompt_tokens=prompt.shape[1],
+            vision_tokens=sum(t * h * w // self.merge_unit for t, h, w in request.grids),
+            finish_reason=finish,
+            handoff=handoff,
+        )
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[dict]:
+        """Yields {"token_ids": [...], "text": ...} per new token, then a final dict with the result."""
+        from transformers.generation.streamers import BaseStreamer
+
+        items, handoff = await self._fetch(request)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        class ToQueue(BaseStreamer):
+            first = True
+
+            def put(self, value):
+                if self.first:  # the prompt
+                    self.first = False
+                    return
+                loop.call_soon_threadsafe(queue.put_nowait, value.flatten().tolist())
+
+            def end(self):
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        task = asyncio.ensure_future(asyncio.to_thread(self._generate, request, items, ToQueue()))
+        generated, emitted = [], ""
+        while (ids := await queue.get()) is not None:
+            generated += ids
+            text = self.tokenizer.decode(generated, skip_special_tokens=True)
+            delta = "" if text.endswith("\ufffd") else text[len(emitted) :]  # wait for whole characters
+            emitted += delta
+            yield {"token_ids": ids, "text": delta}
+        prompt, new = await task
+        ids = new.tolist()
+        eos = self.tokenizer.convert_tokens_to_ids(self.tokenizer.eos_token)
+        yield {
+            "done": True,
+            "prompt_tokens": prompt.shape[1],
+            "completion_tokens": len(ids),
+            "vision_tokens": sum(t * h * w // self.merge_unit for t, h, w in request.grids),
+            "finish_reason": "stop" if ids and ids[-1] == eos else "length",
+            "handoff": handoff,
+        }
+
+    def describe(self) -> dict:
+        images = max(1, self.handoff_totals["images"])
+        return {
+            "family": self.model.config.model_type,
+            "handoff_images": self.handoff_totals["images"],
+            "handoff_bytes_per_image": self.handoff_totals["bytes"] / images,
+            "handoff_ms_per_image": self.handoff_totals["ms"] / images,
+        }
