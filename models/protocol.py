@@ -7,6 +7,7 @@ or a host tensor computed before replay (from `VisionEncoder.pack_metadata`).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -75,6 +76,33 @@ class ItemOutput:
     """`[output_tokens, out_hidden]`."""
     deepstack: torch.Tensor | None = None
     """`[num_deepstack, output_tokens, out_hidden]` (Qwen3-VL) or None."""
+
+    def __reduce__(self):
+        # Pickled as numpy arrays so Ray's object store can pass the bytes out of band (zero
+        # copy); plain pickling of bfloat16 tensors copies them through the pickle stream.
+        return (_item_output_from_arrays, (_to_array(self.tokens), _to_array(self.deepstack)))
+
+
+def _to_array(tensor: torch.Tensor | None):
+    if tensor is None or tensor.device.type != "cpu":
+        return tensor
+    if tensor.dtype == torch.bfloat16:
+        return ("bfloat16", tensor.contiguous().view(torch.int16).numpy())
+    return ("", tensor.contiguous().numpy())
+
+
+def _from_array(packed) -> torch.Tensor | None:
+    if packed is None or isinstance(packed, torch.Tensor):
+        return packed
+    kind, array = packed
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only shared memory: never written in place
+        tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if kind == "bfloat16" else tensor
+
+
+def _item_output_from_arrays(tokens, deepstack) -> "ItemOutput":
+    return ItemOutput(_from_array(tokens), _from_array(deepstack))
 
 
 class PackCapacityError(ValueError):
