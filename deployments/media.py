@@ -14,9 +14,11 @@ import io
 import warnings
 from dataclasses import dataclass
 
+import av
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
+from transformers.video_utils import VideoMetadata
 
 from models.processing import InvalidItemError, VisionPreprocessor
 from models.protocol import ItemSpec
@@ -112,6 +114,9 @@ class InspectedItem:
     modality: str
     images: list[Image.Image]
     spec: ItemSpec
+    video: bytes | None = None
+    """An encoded video file (decoded with PyAV); `frame_indices` are the frames to keep."""
+    frame_indices: list[int] | None = None
 
 
 def inspect_image(data: bytes, index: int, limits: Limits, pre: VisionPreprocessor) -> InspectedItem:
@@ -149,6 +154,70 @@ def inspect_frames(frames: list[bytes], index: int, limits: Limits, pre: VisionP
     return InspectedItem(index, "video", images, spec)
 
 
+def _video_frame_count(data: bytes, index: int) -> tuple[int, float, int, int]:
+    """(frames, fps, width, height) from the container, counting packets (no decoding)."""
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            if not container.streams.video:
+                raise item_error(index, 400, "video file has no video stream")
+            stream = container.streams.video[0]
+            fps = float(stream.average_rate or stream.guessed_rate or 0) or 1.0
+            width, height = stream.codec_context.width, stream.codec_context.height
+            frames = sum(1 for packet in container.demux(stream) if packet.size)
+    except av.FFmpegError:
+        raise item_error(index, 400, "is not a decodable video file") from None
+    if frames == 0:
+        raise item_error(index, 400, "video file has no frames")
+    return frames, fps, width, height
+
+
+def sample_frame_indices(pre: VisionPreprocessor, frames: int, fps: float) -> list[int]:
+    """The model's own frame sampling (its video processor's `sample_frames`, at its fps or 2)."""
+    processor = pre.video_processor
+    target_fps = getattr(processor, "fps", None) or 2.0
+    metadata = VideoMetadata(total_num_frames=frames, fps=fps, duration=frames / fps)
+    try:
+        indices = processor.sample_frames(metadata=metadata, fps=target_fps)
+    except (ValueError, ZeroDivisionError):  # clips shorter than the sampler's minimum: keep them whole
+        return list(range(frames))
+    return sorted({int(i) for i in indices}) or list(range(frames))
+
+
+def inspect_video(data: bytes, index: int, limits: Limits, pre: VisionPreprocessor) -> InspectedItem:
+    """An encoded video file: container header and packet count only; frames sampled as the model does."""
+    if not data:
+        raise item_error(index, 400, "is empty (0 bytes)")
+    if len(data) > limits.max_item_bytes:
+        raise item_error(index, 413, f"{len(data)} bytes exceeds max_item_bytes={limits.max_item_bytes}")
+    frames, fps, width, height = _video_frame_count(data, index)
+    if width * height > limits.max_image_pixels:
+        raise item_error(
+            index, 413, f"frames of {width}x{height} = {width * height} pixels exceed max_image_pixels={limits.max_image_pixels}"
+        )
+    indices = sample_frame_indices(pre, frames, fps)
+    if len(indices) > limits.max_video_frames:
+        raise item_error(index, 413, f"{len(indices)} sampled frames exceeds max_video_frames={limits.max_video_frames}")
+    spec = check_spec(lambda: pre.video_spec(len(indices), height, width), index, limits)
+    return InspectedItem(index, "video", [], spec, video=data, frame_indices=indices)
+
+
+def decode_video_frames(item: InspectedItem) -> list[torch.Tensor]:
+    """The sampled frames as `[3, H, W]` uint8 tensors, decoding no further than the last one."""
+    wanted, frames = set(item.frame_indices), []
+    try:
+        with av.open(io.BytesIO(item.video)) as container:
+            for number, frame in enumerate(container.decode(video=0)):
+                if number in wanted:
+                    frames.append(torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1).contiguous())
+                if number >= item.frame_indices[-1]:
+                    break
+    except av.FFmpegError:
+        raise item_error(item.index, 400, "video is truncated or corrupt and cannot be decoded") from None
+    if len(frames) != len(wanted):
+        raise item_error(item.index, 400, f"video has {len(frames)} decodable frames of the {len(wanted)} sampled")
+    return frames
+
+
 def check_request_tokens(items: list[InspectedItem], limits: Limits) -> None:
     tokens = sum(item.spec.output_tokens for item in items)
     if tokens > limits.max_tokens_per_request:
@@ -161,7 +230,10 @@ def check_request_tokens(items: list[InspectedItem], limits: Limits) -> None:
 
 def decode(item: InspectedItem, limits: Limits, pre: VisionPreprocessor) -> DecodedItem:
     """Decode and resize an inspected item (CPU work: run it off the event loop)."""
-    tensors = [to_rgb_tensor(image, item.index) for image in item.images]
+    if item.video is not None:
+        tensors = decode_video_frames(item)
+    else:
+        tensors = [to_rgb_tensor(image, item.index) for image in item.images]
     if len({tuple(t.shape) for t in tensors}) != 1:
         raise item_error(item.index, 400, "video frames differ in size after EXIF rotation")
     height, width = tensors[0].shape[-2:]

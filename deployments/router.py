@@ -20,6 +20,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+import ray
 from PIL import Image
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -75,6 +76,13 @@ async def _limit_body(request: Request, call_next):
     return await call_next(request)
 
 
+def replica_failed(error: Exception) -> bool:
+    """The encoder replica died or lost its GPU (retryable elsewhere), not a problem of the input."""
+    if isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+        return True
+    return "CUDA error" in str(error) or "CUDA out of memory" in str(error)
+
+
 @dataclass
 class EncodeResult:
     """One item's result through the Python handle."""
@@ -108,6 +116,9 @@ class EncoderRouter:
             max_wait_s=config.router.max_wait_ms / 1e3,
             target_fill=config.router.target_fill,
             max_queued_tokens=config.router.max_queued_tokens,
+            retries=config.router.pack_retries,
+            retryable=replica_failed,
+            final_error=self._pack_error,
         )
         self.rejected: dict[str, int] = {}
         api.state.max_request_bytes = config.limits.max_request_bytes
@@ -154,7 +165,7 @@ class EncoderRouter:
         if (item.frames is None) == (item.video is None):
             raise item_error(index, 400, "a video item needs exactly one of 'frames' or 'video'")
         if item.video is not None:
-            raise item_error(index, 400, "encoded video files are not supported yet; send 'frames'")
+            return "video", media.decode_base64(item.video, index, limits)
         if len(item.frames) > limits.max_video_frames:
             raise item_error(index, 413, f"{len(item.frames)} frames exceeds max_video_frames={limits.max_video_frames}")
         return "frames", [media.decode_base64(frame, index, limits) for frame in item.frames]
@@ -223,6 +234,8 @@ class EncoderRouter:
             return "image", item["image"]
         if isinstance(item, dict) and item.get("type") == "video" and isinstance(item.get("frames"), list):
             return "frames", item["frames"]
+        if isinstance(item, dict) and item.get("type") == "video" and isinstance(item.get("video"), (bytes, bytearray)):
+            return "video", item["video"]
         raise item_error(index, 400, f"unsupported item of type {type(item).__name__}; pass a PIL image, bytes, or a dict")
 
     # ---- the shared path ----
@@ -256,6 +269,8 @@ class EncoderRouter:
         limits, pre = self.config.limits, self.preprocessor
         if kind == "frames":
             return media.inspect_frames(value, index, limits, pre)
+        if kind == "video":
+            return media.inspect_video(bytes(value), index, limits, pre)
         if isinstance(value, Image.Image):
             return media.inspect_pil(value, index, limits, pre)
         return media.inspect_image(bytes(value), index, limits, pre)
@@ -305,6 +320,14 @@ class EncoderRouter:
             if isinstance(o, ItemOutput)
         )
         return outputs
+
+    def _pack_error(self, error: Exception, retried: bool) -> Exception:
+        """What a request whose pack failed gets: 503 if a replica died (after the retry), else 500."""
+        if replica_failed(error):
+            again = " after a retry on another replica" if retried else ""
+            return overloaded(f"an encoder replica failed while encoding this request{again}: {error!r}"[:500], 1)
+        logger.exception("pack failed", exc_info=error)
+        return RequestError(500, f"encoding failed: {type(error).__name__}", error_type="internal_error")
 
     def _count_rejection(self, error: RequestError) -> None:
         reason = {413: "limit", 415: "format", 503: "overloaded"}.get(error.status, "invalid")

@@ -54,6 +54,10 @@ class PackStats:
     budget_tokens: int = 0
     dropped_cancelled: int = 0
     failed_packs: int = 0
+    retried_packs: int = 0
+    """Packs resent after their encoder replica died."""
+    split_packs: int = 0
+    """Failed packs rerun item by item, so a failing item fails only its own request."""
     max_requests_in_a_pack: int = 0
 
     def record(self, items: Sequence[QueuedItem], budget: int | None) -> None:
@@ -76,10 +80,16 @@ class PackStats:
             "mean_fill": round(self.tokens / self.budget_tokens, 4) if self.budget_tokens else 0.0,
             "dropped_cancelled": self.dropped_cancelled,
             "failed_packs": self.failed_packs,
+            "retried_packs": self.retried_packs,
+            "split_packs": self.split_packs,
         }
 
 
 Dispatch = Callable[[str, list[QueuedItem]], Awaitable[list[ItemOutput]]]
+
+
+def never_retry(error: Exception) -> bool:
+    return False
 
 
 class PackScheduler:
@@ -92,6 +102,9 @@ class PackScheduler:
         max_wait_s: float,
         target_fill: float,
         max_queued_tokens: int,
+        retries: int = 0,
+        retryable: Callable[[Exception], bool] = never_retry,
+        final_error: Callable[[Exception, bool], Exception] = lambda error, retried: error,
     ):
         self.ladder = tuple(ladder)
         self.max_items = max_items
@@ -100,6 +113,9 @@ class PackScheduler:
         self.target_fill = target_fill
         self.max_queued_tokens = max_queued_tokens
         self._dispatch = dispatch
+        self.retries = retries
+        self._retryable = retryable
+        self._final_error = final_error
         self._queue: list[QueuedItem] = []
         self._wake = asyncio.Event()
         self._inflight_tokens = 0
@@ -182,16 +198,34 @@ class PackScheduler:
 
     async def _deliver(self, modality: str, items: list[QueuedItem], tokens: int) -> None:
         try:
-            outputs = await self._dispatch(modality, items)
-        except Exception as exc:  # the pack failed: every item's request gets the error
-            self.stats.failed_packs += 1
-            for item in items:
-                if not item.future.done():
-                    item.future.set_exception(exc)
-            return
+            await self._attempt(modality, items, retries_left=self.retries)
         finally:
             self._inflight_tokens -= tokens
-        for item, output in zip(items, outputs):
+
+    async def _attempt(self, modality: str, items: list[QueuedItem], retries_left: int) -> None:
+        """Run a pack; resend it if its replica died; split it if it failed otherwise, so that a
+        failing item fails only its own request."""
+        live = [item for item in items if not item.future.done()]
+        if not live:
+            return
+        try:
+            outputs = await self._dispatch(modality, live)
+        except Exception as error:
+            self.stats.failed_packs += 1
+            if self._retryable(error) and retries_left > 0:
+                self.stats.retried_packs += 1
+                logger.warning("pack of %d items failed (%r); resending", len(live), error)
+                return await self._attempt(modality, live, retries_left - 1)
+            if len(live) > 1 and not self._retryable(error):
+                self.stats.split_packs += 1
+                await asyncio.gather(*(self._attempt(modality, [item], 0) for item in live))
+                return
+            final = self._final_error(error, self.retries > retries_left)
+            for item in live:
+                if not item.future.done():
+                    item.future.set_exception(final)
+            return
+        for item, output in zip(live, outputs):
             if not item.future.done():
                 item.future.set_result(output)
 

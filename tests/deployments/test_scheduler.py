@@ -124,14 +124,69 @@ def test_queued_tokens_are_bounded():
     asyncio.run(main())
 
 
-def test_a_failed_pack_fails_each_of_its_items():
+def test_a_failing_item_fails_only_its_own_request():
+    """A pack that fails for an item's sake is rerun item by item: the others still succeed."""
+
+    class Poisoned(Recorder):
+        async def __call__(self, modality, items):
+            self.packs.append(items)
+            if any(i.request_id == "poison" for i in items):
+                raise ValueError("bad item")
+            return [ItemOutput(tokens=torch.zeros(i.spec.output_tokens, 1)) for i in items]
+
     async def main():
-        sched = scheduler(Recorder(fail=True), max_wait_s=0.0)
+        recorder = Poisoned()
+        sched = scheduler(recorder, max_wait_s=0.05)
+        good, bad = items([10, 20], "good"), items([30], "poison")
+        sched.submit(good)
+        sched.submit(bad)
+        results = await asyncio.gather(*(i.future for i in good + bad), return_exceptions=True)
+        return sched, recorder, results
+
+    sched, recorder, results = asyncio.run(main())
+    assert [r.tokens.shape[0] for r in results[:2]] == [10, 20]
+    assert isinstance(results[2], ValueError)
+    assert len(recorder.packs[0]) == 3 and sched.stats.split_packs == 1
+    assert sched.queued_tokens == 0
+
+
+class ReplicaDied(Exception):
+    pass
+
+
+def test_a_pack_whose_replica_died_is_resent_once():
+    class DiesOnce(Recorder):
+        async def __call__(self, modality, items):
+            if not self.packs:
+                self.packs.append(items)
+                raise ReplicaDied()
+            return await super().__call__(modality, items)
+
+    async def main():
+        sched = scheduler(DiesOnce(), max_wait_s=0.0, retries=1, retryable=lambda e: isinstance(e, ReplicaDied))
+        batch = items([10, 20], "x")
+        sched.submit(batch)
+        return sched, await asyncio.gather(*(i.future for i in batch))
+
+    sched, outputs = asyncio.run(main())
+    assert [o.tokens.shape[0] for o in outputs] == [10, 20]
+    assert sched.stats.retried_packs == 1
+
+
+def test_a_pack_that_keeps_failing_fails_with_the_final_error():
+    async def main():
+        sched = scheduler(
+            Recorder(fail=True),
+            max_wait_s=0.0,
+            retries=1,
+            retryable=lambda e: isinstance(e, RuntimeError),
+            final_error=lambda error, retried: ConnectionError(f"gave up (retried={retried})"),
+        )
         batch = items([10, 20], "x")
         sched.submit(batch)
         results = await asyncio.gather(*(i.future for i in batch), return_exceptions=True)
         return sched, results
 
     sched, results = asyncio.run(main())
-    assert all(isinstance(r, RuntimeError) for r in results)
-    assert sched.stats.failed_packs == 1 and sched.queued_tokens == 0
+    assert all(isinstance(r, ConnectionError) and "retried=True" in str(r) for r in results)
+    assert sched.stats.retried_packs == 1 and sched.stats.failed_packs == 2 and sched.queued_tokens == 0
