@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -120,6 +121,7 @@ class EncoderReplica:
             "device": str(self.encoder.device),
             "dtype": str(self.encoder.dtype).removeprefix("torch."),
             "ready_s": round(self.ready_s, 2),
+            "pid": os.getpid(),
             "queued_tokens": self._queued_tokens,
             "inflight_tokens": self._inflight_tokens,
             **self.runner.describe(),

@@ -10,6 +10,7 @@ logged and becomes a 500.
 
 import asyncio
 import json
+import os
 import logging
 import time
 import uuid
@@ -20,6 +21,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+import psutil
 import ray
 from PIL import Image
 from ray import serve
@@ -339,4 +341,6 @@ class EncoderRouter:
             "queued_tokens": self.scheduler.queued_tokens,
             "rejected": dict(self.rejected),
             "embedding_bytes_received": self.embedding_bytes_received,
+            "pid": os.getpid(),
+            "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
         }

@@ -1,0 +1,158 @@
+"""Under load nothing is lost: 2,000 mixed requests, and an encoder replica killed mid-load."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from ray import serve
+
+from models import from_preset
+from tests.deployments.media_helpers import decode_embedding, image_file, pattern, reference_image
+from tests.helpers import reference_tower, relative_error
+
+RESULTS_DIR = Path(os.environ.get("RESULTS_DIR", "/tmp/vlm-encoder-results"))
+POOL = [image_file(pattern(w, h, seed=i), "PNG") for i, (w, h) in enumerate(
+    [(64, 64), (96, 128), (128, 96), (160, 160), (200, 120), (120, 200), (256, 256), (300, 180)] * 2
+)]
+BAD = [
+    {"type": "image", "image": "@@not base64@@"},
+    {"type": "image", "image": base64.b64encode(b"plain text, not an image").decode()},
+    {"type": "image", "image": base64.b64encode(POOL[0][:60]).decode()},  # truncated PNG
+    {"type": "image", "image": base64.b64encode(POOL[1]).decode(), "colour": "red"},  # unknown field
+]
+
+
+def build_requests(count: int, bad_fraction: float, seed: int = 0) -> list[tuple[bool, list[int], dict]]:
+    rng = np.random.default_rng(seed)
+    requests = []
+    for _ in range(count):
+        picks = [int(p) for p in rng.integers(0, len(POOL), int(rng.integers(1, 3)))]
+        items = [{"type": "image", "image": base64.b64encode(POOL[p]).decode()} for p in picks]
+        bad = bool(rng.random() < bad_fraction)
+        if bad:
+            items[int(rng.integers(0, len(items)))] = BAD[int(rng.integers(0, len(BAD)))]
+        requests.append((bad, picks, {"items": items}))
+    return requests
+
+
+async def send_all(url: str, requests, concurrency: int, timeout_s: float, on_progress=None) -> list[dict]:
+    semaphore = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+
+        async def one(index, request):
+            bad, picks, body = request
+            async with semaphore:
+                try:
+                    response = await client.post(url + "/v1/encode", json=body)
+                    outcome = {"status": response.status_code, "body": response.json()}
+                except httpx.HTTPError as exc:  # a hang or a dropped connection: must never happen
+                    outcome = {"status": "lost", "body": repr(exc)}
+            if on_progress is not None:
+                await on_progress(index)
+            return {"bad": bad, "picks": picks, **outcome}
+
+        return await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+
+
+@pytest.fixture(scope="module")
+def reference_outputs():
+    encoder = from_preset("qwen3-vl-tiny")
+    tower = reference_tower(encoder)
+    return [reference_image(encoder, tower, data)[0] for data in POOL]
+
+
+def check_good(result, reference_outputs) -> None:
+    assert result["status"] == 200, result
+    for pick, entry in zip(result["picks"], result["body"]["data"]):
+        assert relative_error(decode_embedding(entry), reference_outputs[pick]) <= 1e-4
+
+
+def write_result(name: str, record: dict) -> None:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / name).write_text(json.dumps(record, indent=2))
+
+
+def test_2000_mixed_requests_at_concurrency_64_lose_nothing(serve_harness, reference_outputs):
+    url = serve_harness.deploy("configs/local.yaml")
+    requests = build_requests(2000, bad_fraction=0.3)
+    rss: list[float] = []
+
+    def router_rss() -> float:
+        return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["router"]["rss_mb"]
+
+    async def sample(index):
+        if index % 250 == 0:
+            rss.append(await asyncio.to_thread(router_rss))
+
+    # Warm-up at full concurrency, so allocator pools and connection state exist before the baseline.
+    asyncio.run(send_all(url, build_requests(256, 0.3, seed=9), 64, 60))
+    rss.append(router_rss())
+    start = time.perf_counter()
+    results = asyncio.run(send_all(url, requests, concurrency=64, timeout_s=120, on_progress=sample))
+    wall_s = time.perf_counter() - start
+    rss.append(router_rss())
+
+    good = [r for r in results if not r["bad"]]
+    bad = [r for r in results if r["bad"]]
+    for result in good:
+        check_good(result, reference_outputs)
+    assert all(isinstance(r["status"], int) and 400 <= r["status"] < 500 for r in bad)
+    assert all(r["body"]["error"]["param"].startswith("items[") for r in bad)
+    write_result(
+        "cpu_load_2000.json",
+        {
+            "requests": len(results), "good_200": len(good), "bad_4xx": len(bad), "lost": 0,
+            "concurrency": 64, "wall_s": round(wall_s, 1), "requests_per_s": round(len(results) / wall_s, 1),
+            "router_rss_mb_samples": rss, "router_rss_growth_mb": round(rss[-1] - rss[0], 1),
+        },
+    )
+    assert rss[-1] - rss[0] < 48, f"router memory grew: {rss}"
+
+
+def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, reference_outputs):
+    url = serve_harness.deploy(
+        "configs/local.yaml", name="faults", route_prefix="/faults",
+        deployments={"EncoderReplica": {"num_replicas": 2}},
+        router={"max_wait_ms": 10, "request_timeout_s": 60},
+    )
+    requests = build_requests(400, bad_fraction=0.0, seed=3)
+    handle = serve.get_deployment_handle("EncoderReplica", app_name="faults")
+    victim = handle.describe.remote().result()["pid"]
+    killed = asyncio.Event()
+
+    async def kill_midway(index):
+        if index == 100 and not killed.is_set():
+            os.kill(victim, signal.SIGKILL)
+            killed.set()
+
+    start = time.perf_counter()
+    results = asyncio.run(send_all(url, requests, concurrency=32, timeout_s=90, on_progress=kill_midway))
+    wall_s = time.perf_counter() - start
+    statuses = [r["status"] for r in results]
+    assert killed.is_set()
+    assert set(statuses) <= {200, 503}, set(statuses)  # completed, or failed with a clear error
+    for result in results:
+        if result["status"] == 200:
+            check_good(result, reference_outputs)
+        else:
+            assert "encoder replica failed" in result["body"]["error"]["message"]
+    stats = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["router"]["packs"]
+    write_result(
+        "cpu_fault_kill_replica.json",
+        {
+            "requests": len(results), "ok_200": statuses.count(200), "failed_503": statuses.count(503),
+            "lost": 0, "wall_s": round(wall_s, 1), "retried_packs": stats["retried_packs"],
+            "failed_packs": stats["failed_packs"],
+        },
+    )
+    assert statuses.count(200) > len(results) // 2
+    serve_harness.wait_running("faults")  # Serve restarted the replica
