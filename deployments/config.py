@@ -90,6 +90,9 @@ class RouterSettings(_Strict):
     retry_after_s: int = Field(1, ge=0, description="Retry-After header value on 503.")
     request_timeout_s: float = Field(120.0, gt=0, description="A request not done by then fails with 504.")
     pack_retries: int = Field(1, ge=0, description="Times a pack is resent when its encoder replica dies.")
+    cache_bytes: int = Field(
+        256 * MiB, ge=0, description="Embedding cache size per router replica (0 turns the cache off)."
+    )
 
 
 class Limits(_Strict):
@@ -99,7 +102,7 @@ class Limits(_Strict):
     max_items_per_request: int = Field(64, gt=0, description="Most items in one request.")
     max_item_bytes: int = Field(20 * MiB, gt=0, description="Largest encoded image or video of one item.")
     allowed_image_formats: list[str] = Field(
-        ["JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF"], description="Pillow format names accepted."
+        ["JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF"], description="Pillow format names accepted."
     )
     max_image_pixels: int = Field(
         40_000_000, gt=0, description="Largest width*height, read from the header before decoding."

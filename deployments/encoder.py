@@ -25,6 +25,7 @@ from models import attention, from_checkpoint, from_preset
 from models.protocol import ItemOutput, ItemSpec
 
 from .config import AppConfig
+from .metrics import EncoderMetrics
 
 logger = logging.getLogger("ray.serve")
 
@@ -45,6 +46,17 @@ class PackRequest:
     @property
     def tokens(self) -> int:
         return sum(spec.output_tokens for spec in self.specs)
+
+
+@dataclass
+class PackResult:
+    """An encoded pack: per-item outputs (tensors or object references) and where the time went."""
+
+    outputs: list
+    queue_s: float
+    """Waiting in the replica for the device."""
+    forward_s: float
+    """Normalize, patchify, encode and copy to host."""
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
@@ -76,26 +88,51 @@ class EncoderReplica:
         self.runner.capture(progress=logger.info)
         self._lock = threading.Lock()
         self._counter_lock = threading.Lock()
+        self.metrics = EncoderMetrics()
         self._queued_tokens = 0
         self._inflight_tokens = 0
         self.ready_s = time.perf_counter() - start
 
-    async def encode_pack(self, pack: PackRequest) -> list[ItemOutput]:
+    async def encode_pack(self, pack: PackRequest) -> PackResult:
         self._count(queued=pack.tokens)
-        return await asyncio.to_thread(self._run, pack)
+        return await asyncio.to_thread(self._run, pack, time.perf_counter())
 
     def _count(self, queued: int = 0, inflight: int = 0) -> None:
         with self._counter_lock:
             self._queued_tokens += queued
             self._inflight_tokens += inflight
 
-    def _run(self, pack: PackRequest) -> list[ItemOutput]:
+    def _run(self, pack: PackRequest, arrived: float) -> PackResult:
         with self._lock:  # one pack at a time on the device
+            started = time.perf_counter()
             self._count(queued=-pack.tokens, inflight=pack.tokens)
             try:
-                return self._encode(pack)
+                outputs = self._encode(pack)
             finally:
                 self._count(inflight=-pack.tokens)
+            result = PackResult(outputs, queue_s=started - arrived, forward_s=time.perf_counter() - started)
+            try:
+                self._observe(pack, result)
+            except Exception:  # metrics must never fail a pack
+                logger.exception("recording metrics failed")
+            return result
+
+    def _observe(self, pack: PackRequest, result: PackResult) -> None:
+        metrics, report = self.metrics, self.runner.stats.last
+        if pack.tokens:
+            metrics.vision_tokens.inc(pack.tokens)
+        metrics.queued_tokens.set(self._queued_tokens)
+        metrics.queue_seconds.observe(result.queue_s)
+        metrics.forward_seconds.observe(result.forward_s)
+        if report.graph:
+            metrics.graph_hits.inc(tags={"budget": str(report.budget)})
+            if report.budget > report.real_tokens:
+                metrics.padded_tokens.inc(report.budget - report.real_tokens)
+            metrics.computed_tokens.inc(report.budget)
+        else:
+            metrics.eager_fallbacks.inc(tags={"reason": report.eager_reason})
+            if report.budget is not None:
+                metrics.graph_misses.inc(tags={"budget": str(report.budget)})
 
     def _encode(self, pack: PackRequest) -> list[ItemOutput]:
         device = self.encoder.device

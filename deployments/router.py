@@ -18,9 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 import psutil
 import ray
 from PIL import Image
@@ -38,44 +36,21 @@ from .encoder import PackRequest
 from .llm import GenerateRequest
 from .errors import RequestError, item_error, overloaded
 from .responses import encode_response_json
+from .cache import EmbeddingCache, InflightTable, content_key, output_bytes
+from .metrics import RouterMetrics
 from .scheduler import Overloaded, PackScheduler, QueuedItem
-from .schemas import EncodeRequest, EncodeResponse, ErrorResponse, ImageItem
+from .http import create_api
+from .schemas import EncodeRequest, EncodeResponse, ImageItem
 
 logger = logging.getLogger("ray.serve")
 
-api = FastAPI(
-    title="VLM vision-encoder service",
-    description="Encodes images and videos with a VLM's vision tower; packs requests into CUDA-graph budgets.",
-    responses={400: {"model": ErrorResponse}, 413: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
-)
+api = create_api()
 
 
-@api.exception_handler(RequestError)
-async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-
-@api.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0]
-    location = [part for part in first.get("loc", ()) if part != "body"]
-    if len(location) >= 2 and location[0] == "items" and isinstance(location[1], int):
-        param = f"items[{location[1]}]"
-    else:
-        param = ".".join(str(part) for part in location) or None
-    fields = ".".join(str(part) for part in location[2:])
-    message = f"{param or 'body'}{'.' + fields if fields else ''}: {first.get('msg', 'invalid')}"
-    return JSONResponse(RequestError(400, message, param=param).body(), status_code=400)
-
-
-@api.middleware("http")
-async def _limit_body(request: Request, call_next):
-    limit = getattr(api.state, "max_request_bytes", None)
-    declared = request.headers.get("content-length")
-    if limit is not None and declared is not None and declared.isdigit() and int(declared) > limit:
-        error = RequestError(413, f"request body of {declared} bytes exceeds max_request_bytes={limit}")
-        return JSONResponse(error.body(), status_code=413)
-    return await call_next(request)
+def _done(loop: asyncio.AbstractEventLoop, value) -> asyncio.Future:
+    future = loop.create_future()
+    future.set_result(value)
+    return future
 
 
 def replica_failed(error: Exception) -> bool:
@@ -121,16 +96,20 @@ class EncoderRouter:
             retries=config.router.pack_retries,
             retryable=replica_failed,
             final_error=self._pack_error,
+            on_pack=self._observe_pack,
         )
+        self.metrics = RouterMetrics()
         self.rejected: dict[str, int] = {}
-        api.state.max_request_bytes = config.limits.max_request_bytes
+        self.cache = EmbeddingCache(config.router.cache_bytes)
+        self.inflight = InflightTable()
+        api.state.router = self  # the serving app's handlers reach the router through this
 
     # ---- HTTP ----
 
     @api.post("/v1/encode", response_model=EncodeResponse)
     async def encode_http(self, body: EncodeRequest) -> Response:
         raw = [self._raw_from_http(index, item) for index, item in enumerate(body.items)]
-        results = await self._encode(raw)
+        results = await self._encode(raw, use_cache=body.cache)
         content = await asyncio.to_thread(
             encode_response_json, self.config.model.model_id, results, body.encoding_format
         )
@@ -183,8 +162,12 @@ class EncoderRouter:
 
     async def chat(self, messages: list[dict], **params) -> dict:
         """The chat endpoint through the Python handle: OpenAI-shaped messages in, a chat.completion out."""
-        body = ChatRequest.model_validate({"messages": messages, **params, "stream": False})
-        return await self.chat_http(body)
+        try:
+            body = ChatRequest.model_validate({"messages": messages, **params, "stream": False})
+            return await self.chat_http(body)
+        except RequestError as error:
+            self.count_rejection(error.status)
+            raise
 
     async def _chat_request(self, body: ChatRequest) -> GenerateRequest:
         if self.llm is None:
@@ -225,9 +208,14 @@ class EncoderRouter:
 
     # ---- Python handle ----
 
-    async def encode(self, items: list) -> list[EncodeResult]:
-        """Encode PIL images, encoded image bytes, or {"type": "video", "frames": [...]} dicts."""
-        return await self._encode([self._raw_from_python(index, item) for index, item in enumerate(items)])
+    async def encode(self, items: list, cache: bool = True) -> list[EncodeResult]:
+        """Encode PIL images, encoded image bytes, or {"type": "video", "frames": [...] | "video": bytes} dicts."""
+        try:
+            raw = [self._raw_from_python(index, item) for index, item in enumerate(items)]
+            return await self._encode(raw, use_cache=cache)
+        except RequestError as error:  # over HTTP the exception handler counts it
+            self.count_rejection(error.status)
+            raise
 
     def _raw_from_python(self, index: int, item) -> tuple[str, Any]:
         if isinstance(item, (bytes, bytearray, Image.Image)):
@@ -242,9 +230,11 @@ class EncoderRouter:
 
     # ---- the shared path ----
 
-    async def _encode(self, raw: list[tuple[str, Any]]) -> list[EncodeResult]:
+    async def _encode(self, raw: list[tuple[str, Any]], use_cache: bool = True) -> list[EncodeResult]:
         decoded = await self._decode(raw)
-        outputs = await self._enqueue(decoded)
+        outputs = await self._enqueue(decoded, use_cache=use_cache)
+        if decoded:
+            self.metrics.vision_tokens.inc(sum(d.spec.output_tokens for d in decoded))
         return [
             EncodeResult(index, item.spec.modality, item.spec.grid_thw, out.tokens, out.deepstack)
             for index, (item, out) in enumerate(zip(decoded, outputs))
@@ -253,18 +243,16 @@ class EncoderRouter:
     async def _decode(self, raw: list[tuple[str, Any]]) -> list[media.DecodedItem]:
         """Check limits from headers, then decode and resize off the event loop."""
         limits = self.config.limits
-        try:
-            if len(raw) > limits.max_items_per_request:
-                raise RequestError(
-                    413, f"{len(raw)} items exceeds max_items_per_request={limits.max_items_per_request}", "items"
-                )
-            inspected = [self._inspect(index, kind, value) for index, (kind, value) in enumerate(raw)]
-            media.check_request_tokens(inspected, limits)
-            self._check_capacity(sum(item.spec.output_tokens for item in inspected))
-            decoded = await asyncio.to_thread(lambda: [media.decode(i, limits, self.preprocessor) for i in inspected])
-        except RequestError as exc:
-            self._count_rejection(exc)
-            raise
+        start = time.perf_counter()
+        if len(raw) > limits.max_items_per_request:
+            raise RequestError(
+                413, f"{len(raw)} items exceeds max_items_per_request={limits.max_items_per_request}", "items"
+            )
+        inspected = await asyncio.to_thread(lambda: [self._inspect(i, kind, value) for i, (kind, value) in enumerate(raw)])
+        media.check_request_tokens(inspected, limits)
+        self._check_capacity(sum(item.spec.output_tokens for item in inspected))
+        decoded = await asyncio.to_thread(lambda: [media.decode(i, limits, self.preprocessor) for i in inspected])
+        self.metrics.preprocess_seconds.observe(time.perf_counter() - start)
         return decoded
 
     def _inspect(self, index: int, kind: str, value) -> media.InspectedItem:
@@ -283,29 +271,62 @@ class EncoderRouter:
         except Overloaded as exc:
             raise overloaded(str(exc), self.config.router.retry_after_s) from None
 
-    async def _enqueue(self, decoded: list[media.DecodedItem], as_refs: bool = False) -> list:
+    async def _enqueue(self, decoded: list[media.DecodedItem], as_refs: bool = False, use_cache: bool = True) -> list:
+        """Each item's output: from the cache, from an identical item in flight, or from a new pack."""
         loop = asyncio.get_running_loop()
         request_id = uuid.uuid4().hex
-        queued = [QueuedItem(d.pixels, d.spec, request_id, loop.create_future(), as_ref=as_refs) for d in decoded]
+        waits, mine, new = [], [], []  # futures to await; (key, future) this request holds; items to queue
+        for item in decoded:
+            key = self._cache_key(item, as_refs) if use_cache else None
+            cached = None if key is None or as_refs else self.cache.get(key)
+            if cached is not None:
+                self.metrics.cache_hits.inc()
+                waits.append(_done(loop, cached))
+                continue
+            shared = None if key is None else self.inflight.join(key)
+            if shared is not None:
+                self.metrics.cache_dedup.inc()
+                waits.append(shared)
+                mine.append((key, shared))
+                continue
+            queued = QueuedItem(item.pixels, item.spec, request_id, loop.create_future(), as_ref=as_refs)
+            if key is not None:
+                self.metrics.cache_misses.inc()
+                self.inflight.start(key, queued.future)
+                if not as_refs:
+                    queued.future.add_done_callback(lambda future, key=key: self._remember(key, future))
+            new.append(queued)
+            waits.append(queued.future)
+            mine.append((key, queued.future))
         try:
-            self.scheduler.submit(queued)
+            self.scheduler.submit(new)
+            self.metrics.queued_tokens.set(self.scheduler.queued_tokens)
+            shielded = asyncio.gather(*(asyncio.shield(future) for future in waits))
+            return await asyncio.wait_for(shielded, self.config.router.request_timeout_s)
         except Overloaded as exc:
-            error = overloaded(str(exc), self.config.router.retry_after_s)
-            self._count_rejection(error)
-            raise error from None
-        try:
-            return await asyncio.wait_for(
-                asyncio.gather(*(q.future for q in queued)), self.config.router.request_timeout_s
-            )
+            raise overloaded(str(exc), self.config.router.retry_after_s) from None
         except asyncio.TimeoutError:
             raise RequestError(
                 504, f"request not done within request_timeout_s={self.config.router.request_timeout_s}",
                 error_type="timeout_error",
             ) from None
         finally:
-            for item in queued:  # a cancelled or failed request leaves nothing queued behind
-                if not item.future.done():
-                    item.future.cancel()
+            for key, future in mine:  # nothing stays queued for a request that is gone, unless shared
+                if not future.done() and (key is None or self.inflight.leave(key)):
+                    future.cancel()
+                elif key is not None and future.done():
+                    self.inflight.leave(key)
+
+    def _cache_key(self, item: media.DecodedItem, as_refs: bool) -> bytes | None:
+        if self.config.router.cache_bytes == 0 and not as_refs:
+            return None
+        kind = "ref:" if as_refs else ""
+        return content_key(kind + self.config.model.model_id, item.spec.modality, item.pixels)
+
+    def _remember(self, key: bytes, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is None and isinstance(future.result(), ItemOutput):
+            self.cache.put(key, future.result())
+            self.metrics.cache_bytes.set(self.cache.bytes)
 
     async def _dispatch(self, modality: str, items: list[QueuedItem]) -> list[ItemOutput]:
         pack = PackRequest(
@@ -315,13 +336,19 @@ class EncoderRouter:
             [i.spec for i in items],
             as_refs=[i.as_ref for i in items],
         )
-        outputs = await self.encoder.encode_pack.remote(pack)
-        self.embedding_bytes_received += sum(
-            o.tokens.nbytes + (0 if o.deepstack is None else o.deepstack.nbytes)
-            for o in outputs
-            if isinstance(o, ItemOutput)
+        start = time.perf_counter()
+        result = await self.encoder.encode_pack.remote(pack)
+        self.metrics.transfer_seconds.observe(
+            max(0.0, time.perf_counter() - start - result.queue_s - result.forward_s)
         )
-        return outputs
+        self.embedding_bytes_received += sum(output_bytes(o) for o in result.outputs if isinstance(o, ItemOutput))
+        return result.outputs
+
+    def _observe_pack(self, items: list[QueuedItem], budget: int | None) -> None:
+        tokens = sum(item.spec.output_tokens for item in items)
+        self.metrics.pack_fill.observe(tokens / budget if budget else 1.0)
+        self.metrics.pack_requests.observe(len({item.request_id for item in items}))
+        self.metrics.queued_tokens.set(self.scheduler.queued_tokens)
 
     def _pack_error(self, error: Exception, retried: bool) -> Exception:
         """What a request whose pack failed gets: 503 if a replica died (after the retry), else 500."""
@@ -331,9 +358,13 @@ class EncoderRouter:
         logger.exception("pack failed", exc_info=error)
         return RequestError(500, f"encoding failed: {type(error).__name__}", error_type="internal_error")
 
-    def _count_rejection(self, error: RequestError) -> None:
-        reason = {413: "limit", 415: "format", 503: "overloaded"}.get(error.status, "invalid")
+    def count_rejection(self, status: int) -> None:
+        """Count a refused request by reason (for /v1/models and the metric)."""
+        reason = {413: "limit", 415: "format", 503: "overloaded", 504: "timeout", 404: "not_found"}.get(
+            status, "invalid" if status < 500 else "failed"
+        )
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        self.metrics.rejected.inc(tags={"reason": reason})
 
     def router_stats(self) -> dict:
         return {
@@ -341,6 +372,14 @@ class EncoderRouter:
             "queued_tokens": self.scheduler.queued_tokens,
             "rejected": dict(self.rejected),
             "embedding_bytes_received": self.embedding_bytes_received,
+            "cache": {
+                "entries": len(self.cache),
+                "bytes": self.cache.bytes,
+                "max_bytes": self.cache.max_bytes,
+                "hits": self.cache.hits,
+                "misses": self.cache.misses,
+                "inflight_dedup": self.inflight.joined,
+            },
             "pid": os.getpid(),
             "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
         }

@@ -105,6 +105,7 @@ class PackScheduler:
         retries: int = 0,
         retryable: Callable[[Exception], bool] = never_retry,
         final_error: Callable[[Exception, bool], Exception] = lambda error, retried: error,
+        on_pack: Callable[[list[QueuedItem], int | None], None] | None = None,
     ):
         self.ladder = tuple(ladder)
         self.max_items = max_items
@@ -116,6 +117,7 @@ class PackScheduler:
         self.retries = retries
         self._retryable = retryable
         self._final_error = final_error
+        self._on_pack = on_pack
         self._queue: list[QueuedItem] = []
         self._wake = asyncio.Event()
         self._inflight_tokens = 0
@@ -190,6 +192,8 @@ class PackScheduler:
 
     def _send(self, modality: str, items: list[QueuedItem], budget: int | None) -> None:
         self.stats.record(items, budget)
+        if self._on_pack is not None:
+            self._on_pack(items, budget)
         tokens = sum(item.spec.output_tokens for item in items)
         self._inflight_tokens += tokens
         task = asyncio.get_running_loop().create_task(self._deliver(modality, items, tokens))

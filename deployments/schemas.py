@@ -30,6 +30,7 @@ class EncodeRequest(_Body):
     encoding_format: Literal["base64", "float"] = Field(
         "base64", description="base64: little-endian float32 bytes; float: nested lists."
     )
+    cache: bool = Field(True, description="Use the embedding cache and in-flight dedup for these items.")
 
 
 class Embedding(BaseModel):

@@ -247,7 +247,7 @@ class EncoderRunner:
         budget = fitting_budget(self.ladder, tokens)
         entry, metadata_or_reason = self._select(specs, tokens, budget)
         if entry is None:
-            self.stats.record_eager(metadata_or_reason, budget)
+            self.stats.record_eager(metadata_or_reason, budget, tokens)
             return self._split(self.encoder.forward_eager(pixel_values, specs), specs)
         self._fill(entry, pixel_values, metadata_or_reason)
         self._execute(entry)
@@ -256,7 +256,7 @@ class EncoderRunner:
             eager = self.encoder.forward_eager(pixel_values, specs)
             if bool(torch.isfinite(eager.tokens).all()):
                 self._disable(entry, "non-finite output at run time")
-            self.stats.record_eager("nonfinite", budget)
+            self.stats.record_eager("nonfinite", budget, tokens)
             return self._split(eager, specs)
         self.stats.record_graph(entry.key[0], tokens)
         return self._split(out, specs)

@@ -14,6 +14,18 @@ EAGER_REASONS = (
 )
 
 
+@dataclass(frozen=True)
+class PackReport:
+    """How the last pack ran (for per-pack metrics)."""
+
+    budget: int | None
+    """The fitting token budget (None: larger than every budget)."""
+    real_tokens: int
+    graph: bool
+    """True when a graph (or, on CPU, the static buffers) ran it."""
+    eager_reason: str | None = None
+
+
 @dataclass
 class RunnerStats:
     """Cumulative counters; `snapshot()` gives a plain dict for metrics and `/v1/models`."""
@@ -33,16 +45,20 @@ class RunnerStats:
     packs: int = 0
     items: int = 0
 
+    last: PackReport | None = None
+
     def record_graph(self, budget: int, real_tokens: int) -> None:
         self.graph_hits[budget] += 1
         self.real_tokens += real_tokens
         self.padded_tokens += budget - real_tokens
+        self.last = PackReport(budget, real_tokens, graph=True)
 
-    def record_eager(self, reason: str, budget: int | None) -> None:
+    def record_eager(self, reason: str, budget: int | None, real_tokens: int = 0) -> None:
         assert reason in EAGER_REASONS, reason
         self.eager_fallbacks[reason] += 1
         if budget is not None:
             self.graph_misses[budget] += 1
+        self.last = PackReport(budget, real_tokens, graph=False, eager_reason=reason)
 
     @property
     def padding_waste(self) -> float:

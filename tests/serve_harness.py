@@ -33,8 +33,15 @@ class ServeHarness:
     def __init__(self, num_cpus: int | None = 4):
         """`num_cpus`: logical CPUs of the local cluster (tests use 4 with `num_cpus: 0` replicas;
         None lets Ray count the machine's cores, as on a GPU host)."""
+        self.metrics_port = free_port()
         if not ray.is_initialized():
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+            ray.init(
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                _metrics_export_port=self.metrics_port,
+                _system_config={"metrics_report_interval_ms": 1000},
+            )
         self.port = free_port()
         self.http_options = {"host": "127.0.0.1", "port": self.port}
         self.client = serve_api.serve_start(http_options=self.http_options, proxy_location="HeadOnly")

@@ -1,0 +1,95 @@
+"""Embedding cache (LRU, bounded in bytes) and in-flight dedup of identical items.
+
+The key is a content hash of the decoded, resized pixels (what the tower actually sees),
+their shape and modality, and the model id: two files that decode to the same pixels
+share an entry; the same image resized differently does not. Identical items that are in
+flight at the same time are encoded once: later requests await the first one's future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import OrderedDict
+
+import torch
+
+from models.protocol import ItemOutput
+
+
+def content_key(model_id: str, modality: str, pixels: torch.Tensor) -> bytes:
+    digest = hashlib.blake2b(digest_size=32)
+    digest.update(f"{model_id}|{modality}|{tuple(pixels.shape)}|".encode())
+    digest.update(pixels.contiguous().numpy().tobytes())
+    return digest.digest()
+
+
+def output_bytes(output: ItemOutput) -> int:
+    return output.tokens.nbytes + (0 if output.deepstack is None else output.deepstack.nbytes)
+
+
+class EmbeddingCache:
+    """LRU of item outputs whose total size never exceeds `max_bytes`."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._entries: OrderedDict[bytes, ItemOutput] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: bytes) -> ItemOutput | None:
+        output = self._entries.get(key)
+        if output is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return output
+
+    def put(self, key: bytes, output: ItemOutput) -> None:
+        size = output_bytes(output)
+        if size > self.max_bytes or key in self._entries:
+            return
+        while self.bytes + size > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.bytes -= output_bytes(evicted)
+        self._entries[key] = output
+        self.bytes += size
+
+
+class InflightTable:
+    """Futures of items being encoded, shared by every request that asks for the same content."""
+
+    def __init__(self):
+        self._futures: dict[bytes, asyncio.Future] = {}
+        self._waiters: dict[bytes, int] = {}
+        self.joined = 0
+        """Requests that found their item already in flight and waited for it instead."""
+
+    def join(self, key: bytes) -> asyncio.Future | None:
+        future = self._futures.get(key)
+        if future is not None:
+            self._waiters[key] += 1
+            self.joined += 1
+        return future
+
+    def start(self, key: bytes, future: asyncio.Future) -> None:
+        self._futures[key] = future
+        self._waiters[key] = 1
+        future.add_done_callback(lambda _: self._forget(key, future))
+
+    def leave(self, key: bytes) -> bool:
+        """One waiter is gone; True when nobody waits any more (the item may be dropped)."""
+        if key not in self._waiters:
+            return True
+        self._waiters[key] -= 1
+        return self._waiters[key] <= 0
+
+    def _forget(self, key: bytes, future: asyncio.Future) -> None:
+        if self._futures.get(key) is future:
+            del self._futures[key]
+            del self._waiters[key]

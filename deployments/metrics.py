@@ -1,0 +1,68 @@
+"""Prometheus metrics through `ray.serve.metrics` (exported with Serve's own, Serve tags added).
+
+Ray prefixes custom metrics with `ray_`; e.g. `vlm_encoder_vision_tokens` is scraped as
+`ray_vlm_encoder_vision_tokens_total`. configs/prometheus.yml shows a scrape config.
+Metric objects are created inside each replica (in its constructor).
+"""
+
+from __future__ import annotations
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+SECONDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+FILL = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
+
+
+class RouterMetrics:
+    def __init__(self):
+        self.vision_tokens = Counter("vlm_router_vision_tokens", description="Vision tokens returned to callers.")
+        self.queued_tokens = Gauge("vlm_router_queued_tokens", description="Tokens queued in the router or in flight.")
+        self.pack_fill = Histogram(
+            "vlm_router_pack_fill", description="Real tokens / token budget of each pack sent.", boundaries=FILL
+        )
+        self.pack_requests = Histogram(
+            "vlm_router_pack_requests", description="Distinct requests per pack.", boundaries=[1, 2, 4, 8, 16, 32, 64]
+        )
+        self.preprocess_seconds = Histogram(
+            "vlm_router_preprocess_seconds", description="Header checks, decoding and resizing per request.",
+            boundaries=SECONDS,
+        )
+        self.transfer_seconds = Histogram(
+            "vlm_router_transfer_seconds",
+            description="Pack round trip minus the replica's queueing and forward time (moving pixels and results).",
+            boundaries=SECONDS,
+        )
+        self.rejected = Counter(
+            "vlm_router_rejected_requests", description="Requests refused, by reason.", tag_keys=("reason",)
+        )
+        self.cache_hits = Counter("vlm_router_cache_hits", description="Items answered from the embedding cache.")
+        self.cache_misses = Counter("vlm_router_cache_misses", description="Cacheable items not in the cache.")
+        self.cache_dedup = Counter(
+            "vlm_router_cache_inflight_dedup", description="Items that joined an identical item already in flight."
+        )
+        self.cache_bytes = Gauge("vlm_router_cache_bytes", description="Bytes held by the embedding cache.")
+
+
+class EncoderMetrics:
+    def __init__(self):
+        self.vision_tokens = Counter("vlm_encoder_vision_tokens", description="Vision tokens encoded.")
+        self.queued_tokens = Gauge("vlm_encoder_queued_tokens", description="Tokens waiting in this replica.")
+        self.forward_seconds = Histogram(
+            "vlm_encoder_forward_seconds", description="Normalize, patchify and encode one pack.", boundaries=SECONDS
+        )
+        self.queue_seconds = Histogram(
+            "vlm_encoder_queue_seconds", description="A pack's wait in the replica before it runs.", boundaries=SECONDS
+        )
+        self.graph_hits = Counter(
+            "vlm_encoder_graph_hits", description="Packs run by a graph, per token budget.", tag_keys=("budget",)
+        )
+        self.graph_misses = Counter(
+            "vlm_encoder_graph_misses", description="Packs that fit a budget but ran eagerly.", tag_keys=("budget",)
+        )
+        self.eager_fallbacks = Counter(
+            "vlm_encoder_eager_fallbacks", description="Eager runs, by reason.", tag_keys=("reason",)
+        )
+        self.padded_tokens = Counter("vlm_encoder_padded_tokens", description="Padding tokens computed by graphs.")
+        self.computed_tokens = Counter(
+            "vlm_encoder_computed_tokens", description="Tokens computed by graphs (real + padding); waste = padded/computed."
+        )

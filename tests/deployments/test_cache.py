@@ -1,0 +1,60 @@
+"""The embedding cache: byte bound, hits, in-flight dedup across concurrent requests, opt-out."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from ray import serve
+
+from deployments.cache import EmbeddingCache, output_bytes
+from models.protocol import ItemOutput
+from tests.deployments.media_helpers import b64, decode_embedding, image_file, pattern
+
+
+def output(tokens: int, hidden: int = 8) -> ItemOutput:
+    return ItemOutput(torch.randn(tokens, hidden), torch.randn(2, tokens, hidden))
+
+
+def test_the_byte_bound_holds_and_least_recent_goes_first():
+    cache = EmbeddingCache(max_bytes=3 * output_bytes(output(10)))
+    for key in (b"a", b"b", b"c"):
+        cache.put(key, output(10))
+    assert cache.get(b"a") is not None  # a is now the most recent
+    cache.put(b"d", output(10))
+    assert cache.get(b"b") is None and cache.get(b"a") is not None and cache.get(b"d") is not None
+    assert cache.bytes <= cache.max_bytes and len(cache) == 3
+    cache.put(b"huge", output(1000))  # larger than the whole cache: not stored, nothing evicted
+    assert cache.get(b"huge") is None and len(cache) == 3
+    assert cache.bytes == sum(output_bytes(o) for o in cache._entries.values())
+
+
+def encoded_items() -> int:
+    return serve.get_deployment_handle("EncoderReplica", app_name="encoder").describe.remote().result()["stats"]["items"]
+
+
+def test_a_cache_hit_returns_identical_embeddings_without_encoding(serve_harness):
+    url = serve_harness.deploy("configs/local.yaml")
+    body = {"items": [{"type": "image", "image": b64(image_file(pattern(140, 90, seed=77), "PNG"))}]}
+    with serve_harness.http() as client:
+        first = client.post(url + "/v1/encode", json=body).json()["data"][0]
+        before = encoded_items()
+        second = client.post(url + "/v1/encode", json=body).json()["data"][0]
+        assert encoded_items() == before  # answered from the cache
+        third = client.post(url + "/v1/encode", json={**body, "cache": False}).json()["data"][0]
+        assert encoded_items() == before + 1  # opted out: encoded again
+    assert second == first
+    assert torch.equal(decode_embedding(third), decode_embedding(first))
+
+
+def test_20_concurrent_identical_requests_cause_one_encode(serve_harness):
+    url = serve_harness.deploy("configs/local.yaml")
+    body = {"items": [{"type": "image", "image": b64(image_file(pattern(300, 200, seed=78), "PNG"))}]}
+    before = encoded_items()
+    with serve_harness.http() as client, ThreadPoolExecutor(20) as pool:
+        replies = list(pool.map(lambda _: client.post(url + "/v1/encode", json=body), range(20)))
+        cache = client.get(url + "/v1/models").json()["data"][0]["router"]["cache"]
+    assert all(r.status_code == 200 for r in replies)
+    assert len({r.json()["data"][0]["embedding"] for r in replies}) == 1
+    assert encoded_items() == before + 1
+    assert cache["inflight_dedup"] + cache["hits"] >= 19

@@ -1,0 +1,118 @@
+"""Metrics on Ray's Prometheus endpoint after a known workload; autoscaling on tokens, end to end."""
+
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from ray import serve
+
+from tests.deployments.media_helpers import b64, image_file, pattern
+
+METRIC = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{[^}]*\})?\s+(?P<value>\S+)$")
+
+
+def scrape(port: int) -> dict[str, dict[str, float]]:
+    """{metric name: {labels: value}} from Prometheus text."""
+    metrics: dict[str, dict[str, float]] = {}
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text.splitlines():
+        match = METRIC.match(line)
+        if match and not line.startswith("#"):
+            metrics.setdefault(match["name"], {})[match["labels"] or ""] = float(match["value"])
+    return metrics
+
+
+def total(metrics, name: str, label: str = "") -> float:
+    return sum(v for labels, v in metrics.get(name, {}).items() if label in labels)
+
+
+def test_every_metric_reports_sensible_values_after_a_known_workload(serve_harness):
+    url = serve_harness.deploy("configs/local.yaml")
+    port = serve_harness.metrics_port
+    small = image_file(pattern(256, 256, seed=90), "PNG")  # 64 tokens with the tiny Qwen3-VL processor
+    huge = image_file(pattern(2600, 2600, seed=91), "PNG")  # > 4096 tokens: larger than every budget
+    before = scrape(port)
+    with serve_harness.http() as client:
+        for _ in range(3):  # one miss, then two cache hits
+            assert client.post(url + "/v1/encode", json={"items": [{"type": "image", "image": b64(small)}]}).status_code == 200
+        assert client.post(url + "/v1/encode", json={"items": [{"type": "image", "image": b64(huge)}]}).status_code == 200
+        assert client.post(url + "/v1/encode", json={"items": [{"type": "image", "image": "%%%"}]}).status_code == 400
+        assert client.post(url + "/v1/encode", json={"items": "not a list"}).status_code == 400
+    deadline, after = time.monotonic() + 60, before
+    while time.monotonic() < deadline:
+        after = scrape(port)
+        if total(after, "ray_vlm_router_rejected_requests_total") - total(before, "ray_vlm_router_rejected_requests_total") >= 2 and (
+            total(after, "ray_vlm_encoder_eager_fallbacks_total", 'reason="oversize"')
+            > total(before, "ray_vlm_encoder_eager_fallbacks_total", 'reason="oversize"')
+        ):
+            break
+        time.sleep(1)
+
+    def grew(name, label="", by=0.0):
+        return total(after, name, label) - total(before, name, label) > by
+
+    tokens = total(after, "ray_vlm_router_vision_tokens_total") - total(before, "ray_vlm_router_vision_tokens_total")
+    assert tokens >= 3 * 64 + 4096
+    assert grew("ray_vlm_encoder_vision_tokens_total", by=4096)
+    assert grew("ray_vlm_encoder_graph_hits_total", 'budget="64"')
+    assert grew("ray_vlm_encoder_eager_fallbacks_total", 'reason="oversize"')
+    assert grew("ray_vlm_encoder_computed_tokens_total")
+    assert total(after, "ray_vlm_encoder_padded_tokens_total") <= total(after, "ray_vlm_encoder_computed_tokens_total")
+    assert grew("ray_vlm_encoder_forward_seconds_count") and grew("ray_vlm_encoder_queue_seconds_count")
+    assert grew("ray_vlm_router_preprocess_seconds_count", by=3) and grew("ray_vlm_router_transfer_seconds_count")
+    assert grew("ray_vlm_router_pack_fill_count") and grew("ray_vlm_router_pack_requests_count")
+    assert total(after, "ray_vlm_router_pack_fill_sum") <= total(after, "ray_vlm_router_pack_fill_count")
+    assert grew("ray_vlm_router_cache_hits_total", by=1) and grew("ray_vlm_router_cache_misses_total")
+    assert grew("ray_vlm_router_rejected_requests_total", 'reason="invalid"', by=1)
+    for gauge in ("ray_vlm_router_queued_tokens", "ray_vlm_encoder_queued_tokens", "ray_vlm_router_cache_bytes"):
+        assert gauge in after and all(value >= 0 for value in after[gauge].values())
+
+
+def test_sustained_load_scales_encoders_up_and_idle_scales_them_back(serve_harness):
+    autoscaling = {
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "upscale_delay_s": 1,
+        "downscale_delay_s": 6,
+        "metrics_interval_s": 0.5,
+        "look_back_period_s": 2,
+        "policy": {
+            "policy_function": "deployments.autoscaling:TokenAutoscalingPolicy",
+            "policy_kwargs": {"target_tokens_per_replica": 100},
+        },
+    }
+    url = serve_harness.deploy(
+        "configs/local.yaml", name="autoscale", route_prefix="/autoscale",
+        deployments={"EncoderReplica": {"num_replicas": None, "autoscaling_config": autoscaling}},
+        router={"max_wait_ms": 5, "cache_bytes": 0},
+    )
+
+    def replicas() -> int:
+        states = serve.status().applications["autoscale"].deployments["EncoderReplica"].replica_states
+        return states.get("RUNNING", 0)
+
+    assert replicas() == 1
+    files = [image_file(pattern(400, 400, seed=s), "PNG") for s in range(8)]
+    stop = time.monotonic() + 90
+    peak = 1
+    with ThreadPoolExecutor(16) as pool, httpx.Client(timeout=60) as client:
+
+        def load(seed: int):
+            while time.monotonic() < stop and peak < 2:
+                items = [{"type": "image", "image": b64(files[(seed + i) % 8])} for i in range(4)]
+                client.post(url + "/v1/encode", json={"items": items, "cache": False})
+
+        futures = [pool.submit(load, s) for s in range(16)]
+        while time.monotonic() < stop and peak < 2:
+            peak = max(peak, replicas())
+            time.sleep(0.5)
+        stop = time.monotonic()
+        for future in futures:
+            future.result()
+    assert peak == 2, "sustained load did not add a replica"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and replicas() != 1:
+        time.sleep(1)
+    assert replicas() == 1, "idle replicas were not removed"
