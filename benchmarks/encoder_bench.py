@@ -7,7 +7,8 @@ times, in one process and one run:
 - `hf`: the transformers tower as users call it (`tower(pixel_values, grid_thw)`, sdpa);
 - `eager`: our eager path (precomputed metadata, varlen attention, no padding);
 - `graph`: `EncoderRunner.run` (host metadata, copies into static buffers, replay, copy out).
-Latency is the median of timed repeats after warm-up, synchronized. Throughput counts
+Latency is the median of timed repeats after warm-up, synchronized, the three paths timed in
+turns so that drift hits them alike. Throughput counts
 output tokens. MFU is useful FLOPs (linear layers + block-diagonal attention, no padding)
 over the measured bf16 matmul peak. The table also gives the arithmetic floor (useful
 FLOPs at that peak), so a missed target can be explained.
@@ -67,6 +68,25 @@ def time_ms(fn, device: torch.device, repeats: int = 10, warmup: int = 3) -> flo
             torch.cuda.synchronize(device)
         samples.append((time.perf_counter() - start) * 1e3)
     return float(np.median(samples))
+
+
+def interleaved_ms(paths: dict, device: torch.device, repeats: int = 10, warmup: int = 3) -> dict[str, float]:
+    """Median ms of each path, timed in turns (A, B, C, A, B, C, ...) so drift and background
+    work (compile workers, clocks) hit every path alike."""
+    for _ in range(warmup):
+        for fn in paths.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(repeats):
+        for name, fn in paths.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: float(np.median(values)) for name, values in samples.items()}
 
 
 def useful_flops(encoder, specs: list[ItemSpec]) -> float:
@@ -134,11 +154,18 @@ def bench_preset(preset: str, device: torch.device, dtype: torch.dtype, config: 
         patches = sum(s.input_patches for s in specs)
         flops = useful_flops(encoder, specs)
         with torch.inference_mode():
-            hf_ms = time_ms(lambda: hf(pixels, grid_thw=grid), device)
-            eager_ms = time_ms(lambda: encoder.forward_eager(pixels, specs), device)
             before = runner.stats.snapshot()
-            graph_ms = time_ms(lambda: runner.run(pixels, specs), device)
+            runner.run(pixels, specs)
             after = runner.stats.snapshot()
+            timings = interleaved_ms(
+                {
+                    "hf": lambda: hf(pixels, grid_thw=grid),
+                    "eager": lambda: encoder.forward_eager(pixels, specs),
+                    "graph": lambda: runner.run(pixels, specs),
+                },
+                device,
+            )
+        hf_ms, eager_ms, graph_ms = timings["hf"], timings["eager"], timings["graph"]
         path = "graph" if sum(after["graph_hits"].values()) > sum(before["graph_hits"].values()) else "eager"
         rows.append(
             {
@@ -159,7 +186,6 @@ def bench_preset(preset: str, device: torch.device, dtype: torch.dtype, config: 
                 "gflops": flops / 1e9,
             }
         )
-    del hf
     return {
         "preset": preset,
         "ladder": list(runner.ladder),

@@ -81,18 +81,29 @@ def main() -> None:
         for as_ref in (True, False):
             samples = [ray.get(router.forward.remote(tokens, as_ref)) for _ in range(args.repeats + 1)][1:]
             ms = sorted(s["ms"] for s in samples)[len(samples) // 2]
-            rows.append({
-                "tokens": tokens, "mode": "reference" if as_ref else "through router",
-                "bytes_per_image": samples[0]["bytes"], "router_held_bytes": samples[0]["router_held_bytes"],
-                "handoff_ms": round(ms, 3),
-            })
+            rows.append(
+                {
+                    "tokens": tokens,
+                    "mode": "reference" if as_ref else "through router",
+                    "bytes_per_image": samples[0]["bytes"],
+                    "router_held_bytes": samples[0]["router_held_bytes"],
+                    "handoff_ms": round(ms, 3),
+                }
+            )
     print("| tokens | mode | MB per image | MB held by router | handoff ms (median) |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['tokens']} | {r['mode']} | {r['bytes_per_image'] / 1e6:.1f} | "
-              f"{r['router_held_bytes'] / 1e6:.1f} | {r['handoff_ms']:.2f} |")
+        print(
+            f"| {r['tokens']} | {r['mode']} | {r['bytes_per_image'] / 1e6:.1f} | "
+            f"{r['router_held_bytes'] / 1e6:.1f} | {r['handoff_ms']:.2f} |"
+        )
     record = {
-        "command": " ".join(sys.argv), "machine": platform.platform(), "cpus": ray.cluster_resources().get("CPU"),
-        "ray": ray.__version__, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "rows": rows,
+        "command": " ".join(sys.argv),
+        "machine": platform.platform(),
+        "cpus": ray.cluster_resources().get("CPU"),
+        "ray": ray.__version__,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "rows": rows,
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "handoff_bench.json").write_text(json.dumps(record, indent=2))

@@ -89,8 +89,13 @@ async def run_load(url: str, requests, concurrency: int, timeout_s: float, keep_
             tokens = USAGE_TAIL.search(content[-200:]) if status == 200 else None
             keep = status != 200 or index % keep_every == 0
             return {
-                "index": index, "bad": bad, "picks": picks, "status": status, "latency_s": latency,
-                "bytes": len(content), "vision_tokens": int(tokens.group(1)) if tokens else 0,
+                "index": index,
+                "bad": bad,
+                "picks": picks,
+                "status": status,
+                "latency_s": latency,
+                "bytes": len(content),
+                "vision_tokens": int(tokens.group(1)) if tokens else 0,
                 "body": json.loads(content) if keep else None,
             }
 
@@ -102,8 +107,8 @@ def verify(results: list[dict], pool: list[bytes], model_args: dict, tolerance: 
     import torch
     from PIL import Image
 
-    from deployments.encoder import load_encoder
     from deployments.config import AppConfig
+    from deployments.encoder import load_encoder
 
     encoder = load_encoder(AppConfig.model_validate({"model": model_args}))
     pre = encoder.preprocessor

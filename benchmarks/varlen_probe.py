@@ -87,8 +87,18 @@ def compare_backends() -> list[dict]:
             reference = torch.nn.functional.scaled_dot_product_attention(
                 *(t[:segment].transpose(0, 1) for t in (q, k, v))
             ).transpose(0, 1)
-            rows.append({"head_dim": head_dim, "segment": segment, "segments": count, **{f"{b}_ms": t for b, t in timings.items()}})
-            print(f"head_dim {head_dim} segment {segment:6d} x {count:4d}: auto {timings['auto']:.3f} ms, flash {timings['flash']:.3f} ms")
+            rows.append(
+                {
+                    "head_dim": head_dim,
+                    "segment": segment,
+                    "segments": count,
+                    **{f"{b}_ms": t for b, t in timings.items()},
+                }
+            )
+            print(
+                f"head_dim {head_dim} segment {segment:6d} x {count:4d}: "
+                f"auto {timings['auto']:.3f} ms, flash {timings['flash']:.3f} ms"
+            )
             attention.set_backend("flash")
             flash_out = attention._varlen_cuda(q, k, v, offsets, segment, None)[:segment]
             attention.set_backend("auto")

@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ray.serve.config import AutoscalingContext
 
@@ -64,9 +65,7 @@ class TokenLoad:
 
 def check_target_tokens_per_replica(target_tokens_per_replica: Any) -> float:
     """The target as a float; raises AutoscalingPolicyConfigError unless it is finite and > 0."""
-    is_number = isinstance(target_tokens_per_replica, (int, float)) and not isinstance(
-        target_tokens_per_replica, bool
-    )
+    is_number = isinstance(target_tokens_per_replica, (int, float)) and not isinstance(target_tokens_per_replica, bool)
     if is_number and math.isfinite(target_tokens_per_replica) and target_tokens_per_replica > 0:
         return float(target_tokens_per_replica)
     raise AutoscalingPolicyConfigError(
@@ -154,9 +153,7 @@ class TokenAutoscalingPolicy:
 
     def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
         now_s = ctx.current_time if ctx.current_time is not None else time.time()
-        load = sum_token_load(
-            ctx.raw_metrics or {}, ctx.running_replicas, now_s, staleness_limit_s(ctx.config)
-        )
+        load = sum_token_load(ctx.raw_metrics or {}, ctx.running_replicas, now_s, staleness_limit_s(ctx.config))
         # No running replica means no report at all (say, all restarting): hold, too.
         metrics_complete = bool(ctx.running_replicas) and load.replicas_without_data == 0
         # Requests waiting at handles are load even before a replica has counted their tokens.

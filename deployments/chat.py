@@ -116,13 +116,17 @@ def usage(prompt_tokens: int, completion_tokens: int, vision_tokens: int) -> dic
     }
 
 
-def sse_chunk(chunk_id: str, model: str, delta: dict, finish_reason: str | None = None, extra: dict | None = None) -> str:
+def sse_chunk(
+    chunk_id: str, model: str, delta: dict | None, finish_reason: str | None = None, extra: dict | None = None
+) -> str:
+    """One server-sent event of a streamed completion (`delta=None`: a chunk without choices)."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason}]
     body = {
         "id": chunk_id,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+        "choices": choices,
         **(extra or {}),
     }
     return f"data: {json.dumps(body)}\n\n"

@@ -41,11 +41,13 @@ class ModelSettings(_Strict):
     )
 
     @model_validator(mode="after")
-    def _check_preset(self) -> "ModelSettings":
+    def _check_preset(self) -> ModelSettings:
         if self.path is None:
             name = self.preset if self.preset in PRESETS else f"{self.family}-{self.preset}"
             if name not in PRESETS:
-                raise ValueError(f"unknown preset {self.preset!r} for family {self.family!r}; use one of {sorted(PRESETS)}")
+                raise ValueError(
+                    f"unknown preset {self.preset!r} for family {self.family!r}; use one of {sorted(PRESETS)}"
+                )
         return self
 
     @property
@@ -60,7 +62,9 @@ class GraphSettings(_Strict):
     """Token budgets and CUDA graphs (see encoder_graphs.runner.GraphConfig)."""
 
     max_budget_tokens: int = Field(8192, gt=0, description="Largest token budget; larger packs run eagerly.")
-    budgets: list[int] | None = Field(None, description="Explicit budget list (output tokens); default: doubling ladder.")
+    budgets: list[int] | None = Field(
+        None, description="Explicit budget list (output tokens); default: doubling ladder."
+    )
     min_budget_tokens: int = Field(64, gt=0, description="Smallest budget of the automatic ladder.")
     budget_growth: float = Field(2.0, gt=1.0, description="Ratio between consecutive automatic budgets.")
     max_items_per_pack: int | None = Field(None, gt=0, description="Items per pack (<= smallest budget).")
@@ -120,7 +124,9 @@ class LLMSettings(_Strict):
     )
     preset: Literal["tiny"] = Field("tiny", description="Random-weight preset (tiny). Ignored when `path` is set.")
     path: str | None = Field(None, description="Full VLM checkpoint (dir or hub id) with its tokenizer.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: bf16 on CUDA, fp32 on CPU.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bf16 on CUDA, fp32 on CPU."
+    )
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where LLM replicas run.")
     seed: int = Field(0, description="Seed of the preset's random weights.")
     max_tokens: int = Field(512, gt=0, description="Largest max_tokens a request may ask for.")
@@ -138,7 +144,7 @@ class AppConfig(_Strict):
     )
 
     @model_validator(mode="after")
-    def _check_families(self) -> "AppConfig":
+    def _check_families(self) -> AppConfig:
         if self.llm is not None and self.model.path is None and self.llm.path is None:
             if self.llm.family != self.model.family:
                 raise ValueError(

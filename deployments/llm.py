@@ -14,8 +14,9 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import torch
 from ray import serve
@@ -119,7 +120,9 @@ class LLMReplica:
     def __init__(self, config: AppConfig):
         settings = config.llm
         self.device = settings.device
-        self.model, self.tokenizer = load_language_model(settings, settings.device, resolve_dtype(settings.dtype, settings.device))
+        self.model, self.tokenizer = load_language_model(
+            settings, settings.device, resolve_dtype(settings.dtype, settings.device)
+        )
         model_config = self.model.config
         self.image_token_id = model_config.image_token_id
         self.video_token_id = model_config.video_token_id
@@ -148,7 +151,9 @@ class LLMReplica:
             inputs["image_grid_thw"] = torch.tensor([list(g) for g in request.grids])
         return {k: v.to(self.device) for k, v in inputs.items()}
 
-    def _generate(self, request: GenerateRequest, items: list[ItemOutput], streamer=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _generate(
+        self, request: GenerateRequest, items: list[ItemOutput], streamer=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(prompt ids, new ids) for one request; generation runs one request at a time."""
         with self._lock, torch.inference_mode():
             self.model.model.visual.current = [self._to_device(i) for i in items]
@@ -159,7 +164,11 @@ class LLMReplica:
                     torch.manual_seed(request.seed)
                 sampling = {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p}
             out = self.model.generate(
-                **inputs, max_new_tokens=request.max_tokens, streamer=streamer, pad_token_id=self.tokenizer.pad_token_id, **sampling
+                **inputs,
+                max_new_tokens=request.max_tokens,
+                streamer=streamer,
+                pad_token_id=self.tokenizer.pad_token_id,
+                **sampling,
             )
             self.model.model.visual.current = []
             return inputs["input_ids"], out[0, inputs["input_ids"].shape[1] :].cpu()

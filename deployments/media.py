@@ -65,7 +65,9 @@ def open_image(data: bytes, index: int, limits: Limits) -> Image.Image:
     except (UnidentifiedImageError, OSError, ValueError):
         raise item_error(index, 400, "is not a decodable image") from None
     if image.format not in limits.allowed_image_formats:
-        raise item_error(index, 415, f"format {image.format} is not in allowed_image_formats={limits.allowed_image_formats}")
+        raise item_error(
+            index, 415, f"format {image.format} is not in allowed_image_formats={limits.allowed_image_formats}"
+        )
     width, height = image.size
     if width * height > limits.max_image_pixels:
         raise item_error(
@@ -193,11 +195,15 @@ def inspect_video(data: bytes, index: int, limits: Limits, pre: VisionPreprocess
     frames, fps, width, height = _video_frame_count(data, index)
     if width * height > limits.max_image_pixels:
         raise item_error(
-            index, 413, f"frames of {width}x{height} = {width * height} pixels exceed max_image_pixels={limits.max_image_pixels}"
+            index,
+            413,
+            f"frames of {width}x{height} = {width * height} pixels exceed max_image_pixels={limits.max_image_pixels}",
         )
     indices = sample_frame_indices(pre, frames, fps)
     if len(indices) > limits.max_video_frames:
-        raise item_error(index, 413, f"{len(indices)} sampled frames exceeds max_video_frames={limits.max_video_frames}")
+        raise item_error(
+            index, 413, f"{len(indices)} sampled frames exceeds max_video_frames={limits.max_video_frames}"
+        )
     spec = check_spec(lambda: pre.video_spec(len(indices), height, width), index, limits)
     return InspectedItem(index, "video", [], spec, video=data, frame_indices=indices)
 

@@ -24,7 +24,8 @@ class RouterMetrics:
             "vlm_router_pack_requests", description="Distinct requests per pack.", boundaries=[1, 2, 4, 8, 16, 32, 64]
         )
         self.preprocess_seconds = Histogram(
-            "vlm_router_preprocess_seconds", description="Header checks, decoding and resizing per request.",
+            "vlm_router_preprocess_seconds",
+            description="Header checks, decoding and resizing per request.",
             boundaries=SECONDS,
         )
         self.transfer_seconds = Histogram(
@@ -64,5 +65,6 @@ class EncoderMetrics:
         )
         self.padded_tokens = Counter("vlm_encoder_padded_tokens", description="Padding tokens computed by graphs.")
         self.computed_tokens = Counter(
-            "vlm_encoder_computed_tokens", description="Tokens computed by graphs (real + padding); waste = padded/computed."
+            "vlm_encoder_computed_tokens",
+            description="Tokens computed by graphs (real + padding); waste = padded/computed.",
         )

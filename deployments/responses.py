@@ -43,6 +43,13 @@ def encode_response_json(model_id: str, results: list, encoding_format: str) -> 
     tokens = sum(int(r.embedding.shape[0]) for r in results)
     data = b", ".join(item_json(r, encoding_format) for r in results)
     return b"".join(
-        [b'{"model": ', json.dumps(model_id).encode(), b', "data": [', data, b'], "usage": ',
-         json.dumps({"vision_tokens": tokens}).encode(), b"}"]
+        [
+            b'{"model": ',
+            json.dumps(model_id).encode(),
+            b', "data": [',
+            data,
+            b'], "usage": ',
+            json.dumps({"vision_tokens": tokens}).encode(),
+            b"}",
+        ]
     )

@@ -7,20 +7,18 @@ are `RequestError`s with a 4xx and a body naming the item and the limit; anythin
 logged and becomes a 500.
 """
 
-
 import asyncio
-import json
-import os
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from fastapi.responses import Response, StreamingResponse
 import psutil
 import ray
+import torch
+from fastapi.responses import Response, StreamingResponse
 from PIL import Image
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -30,16 +28,16 @@ from models import load_preprocessor
 from models.protocol import ItemOutput
 
 from . import media
-from .config import AppConfig
-from .chat import ChatRequest, completion, split_messages, sse_chunk, usage
-from .encoder import PackRequest
-from .llm import GenerateRequest
-from .errors import RequestError, item_error, overloaded
-from .responses import encode_response_json
 from .cache import EmbeddingCache, InflightTable, content_key, output_bytes
-from .metrics import RouterMetrics
-from .scheduler import Overloaded, PackScheduler, QueuedItem
+from .chat import ChatRequest, completion, split_messages, sse_chunk, usage
+from .config import AppConfig
+from .encoder import PackRequest
+from .errors import RequestError, item_error, overloaded
 from .http import create_api
+from .llm import GenerateRequest
+from .metrics import RouterMetrics
+from .responses import encode_response_json
+from .scheduler import Overloaded, PackScheduler, QueuedItem
 from .schemas import EncodeRequest, EncodeResponse, ImageItem
 
 logger = logging.getLogger("ray.serve")
@@ -148,7 +146,9 @@ class EncoderRouter:
         if item.video is not None:
             return "video", media.decode_base64(item.video, index, limits)
         if len(item.frames) > limits.max_video_frames:
-            raise item_error(index, 413, f"{len(item.frames)} frames exceeds max_video_frames={limits.max_video_frames}")
+            raise item_error(
+                index, 413, f"{len(item.frames)} frames exceeds max_video_frames={limits.max_video_frames}"
+            )
         return "frames", [media.decode_base64(frame, index, limits) for frame in item.frames]
 
     @api.post("/v1/chat/completions")
@@ -179,7 +179,8 @@ class EncoderRouter:
         max_tokens = body.max_completion_tokens or body.max_tokens or 16
         if max_tokens > self.config.llm.max_tokens:
             raise RequestError(
-                400, f"max_tokens={max_tokens} exceeds the deployment's llm.max_tokens={self.config.llm.max_tokens}",
+                400,
+                f"max_tokens={max_tokens} exceeds the deployment's llm.max_tokens={self.config.llm.max_tokens}",
                 param="max_tokens",
             )
         return GenerateRequest(
@@ -201,7 +202,7 @@ class EncoderRouter:
                 yield sse_chunk(chunk_id, model, {}, piece["finish_reason"])
                 if include_usage:
                     counts = usage(piece["prompt_tokens"], piece["completion_tokens"], piece["vision_tokens"])
-                    yield f"data: {json.dumps({'id': chunk_id, 'object': 'chat.completion.chunk', 'model': model, 'choices': [], 'usage': counts})}\n\n"
+                    yield sse_chunk(chunk_id, model, None, extra={"usage": counts})
                 break
             yield sse_chunk(chunk_id, model, {"content": piece["text"]}, extra={"token_ids": piece["token_ids"]})
         yield "data: [DONE]\n\n"
@@ -226,7 +227,9 @@ class EncoderRouter:
             return "frames", item["frames"]
         if isinstance(item, dict) and item.get("type") == "video" and isinstance(item.get("video"), (bytes, bytearray)):
             return "video", item["video"]
-        raise item_error(index, 400, f"unsupported item of type {type(item).__name__}; pass a PIL image, bytes, or a dict")
+        raise item_error(
+            index, 400, f"unsupported item of type {type(item).__name__}; pass a PIL image, bytes, or a dict"
+        )
 
     # ---- the shared path ----
 
@@ -248,7 +251,9 @@ class EncoderRouter:
             raise RequestError(
                 413, f"{len(raw)} items exceeds max_items_per_request={limits.max_items_per_request}", "items"
             )
-        inspected = await asyncio.to_thread(lambda: [self._inspect(i, kind, value) for i, (kind, value) in enumerate(raw)])
+        inspected = await asyncio.to_thread(
+            lambda: [self._inspect(i, kind, value) for i, (kind, value) in enumerate(raw)]
+        )
         media.check_request_tokens(inspected, limits)
         self._check_capacity(sum(item.spec.output_tokens for item in inspected))
         decoded = await asyncio.to_thread(lambda: [media.decode(i, limits, self.preprocessor) for i in inspected])
@@ -307,7 +312,8 @@ class EncoderRouter:
             raise overloaded(str(exc), self.config.router.retry_after_s) from None
         except asyncio.TimeoutError:
             raise RequestError(
-                504, f"request not done within request_timeout_s={self.config.router.request_timeout_s}",
+                504,
+                f"request not done within request_timeout_s={self.config.router.request_timeout_s}",
                 error_type="timeout_error",
             ) from None
         finally:
@@ -338,9 +344,7 @@ class EncoderRouter:
         )
         start = time.perf_counter()
         result = await self.encoder.encode_pack.remote(pack)
-        self.metrics.transfer_seconds.observe(
-            max(0.0, time.perf_counter() - start - result.queue_s - result.forward_s)
-        )
+        self.metrics.transfer_seconds.observe(max(0.0, time.perf_counter() - start - result.queue_s - result.forward_s))
         self.embedding_bytes_received += sum(output_bytes(o) for o in result.outputs if isinstance(o, ItemOutput))
         return result.outputs
 

@@ -14,8 +14,8 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence
 
 import torch
 

@@ -9,7 +9,7 @@ of the largest possible item.
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class BudgetConfigError(ValueError):

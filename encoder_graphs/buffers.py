@@ -10,7 +10,7 @@ the caller copies a replay's outputs out before the next replay.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 

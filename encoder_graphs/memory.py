@@ -11,8 +11,8 @@ actual increase of reserved memory, the total, and the peak allocation.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 

@@ -12,8 +12,8 @@ Rules (property-tested):
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Sequence
 
 from .budgets import fitting_budget
 

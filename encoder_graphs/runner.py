@@ -17,12 +17,20 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
-from models.protocol import EncoderOutput, ItemOutput, ItemSpec, PackCapacityError, PackLayout, TensorSpec, VisionEncoder
+from models.protocol import (
+    EncoderOutput,
+    ItemOutput,
+    ItemSpec,
+    PackCapacityError,
+    PackLayout,
+    TensorSpec,
+    VisionEncoder,
+)
 
 from .budgets import auto_ladder, buckets_for_budget, fitting_budget, seqlen_buckets, validate_ladder
 from .buffers import StaticBuffers

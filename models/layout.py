@@ -10,7 +10,7 @@ Padding rows never attend to real rows, so real outputs do not depend on them.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -78,7 +78,9 @@ def load_preprocessor(
         directory = resolve_checkpoint_dir(path)
         found_family, _ = _detect_family(_read_config(directory), directory)
         if family is not None and family != found_family:
-            raise CheckpointError(f"checkpoint {directory} is a {found_family} model, but family {family!r} was requested")
+            raise CheckpointError(
+                f"checkpoint {directory} is a {found_family} model, but family {family!r} was requested"
+            )
         return found_family, _load_processors(FAMILIES[found_family], directory)
     found = resolve_preset(family, preset or "tiny")
     return found.family, _preset_preprocessor(found)
@@ -90,9 +92,7 @@ def vlm_config(preset: str | Preset, family: str | None = None):
     if found.text_config is None:
         raise ValueError(f"preset {found.name!r} has no language-model config; load a checkpoint instead")
     cls = family_class(found.family)
-    return cls.vlm_config_class(
-        vision_config=found.vision_config, text_config=found.text_config, **TINY_VLM_TOKEN_IDS
-    )
+    return cls.vlm_config_class(vision_config=found.vision_config, text_config=found.text_config, **TINY_VLM_TOKEN_IDS)
 
 
 def resolve_checkpoint_dir(path_or_id: str) -> Path:

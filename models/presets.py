@@ -139,11 +139,23 @@ PRESETS: dict[str, Preset] = {
     for p in [
         _with_text(
             _qwen2_vl(
-                "qwen2-vl-tiny", depth=2, embed_dim=64, hidden_size=96, num_heads=4, mlp_ratio=2, hidden_act="quick_gelu"
+                "qwen2-vl-tiny",
+                depth=2,
+                embed_dim=64,
+                hidden_size=96,
+                num_heads=4,
+                mlp_ratio=2,
+                hidden_act="quick_gelu",
             )
         ),
         _qwen2_vl(
-            "qwen2-vl-7b", depth=32, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4, hidden_act="quick_gelu"
+            "qwen2-vl-7b",
+            depth=32,
+            embed_dim=1280,
+            hidden_size=3584,
+            num_heads=16,
+            mlp_ratio=4,
+            hidden_act="quick_gelu",
         ),
         _with_text(
             _qwen2_5_vl(

@@ -13,8 +13,8 @@ processors resize in uint8 and normalize afterwards); tests hold this.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from transformers.image_utils import SizeDict

@@ -8,8 +8,9 @@ or a host tensor computed before replay (from `VisionEncoder.pack_metadata`).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -101,7 +102,7 @@ def _from_array(packed) -> torch.Tensor | None:
     return tensor.view(torch.bfloat16) if kind == "bfloat16" else tensor
 
 
-def _item_output_from_arrays(tokens, deepstack) -> "ItemOutput":
+def _item_output_from_arrays(tokens, deepstack) -> ItemOutput:
     return ItemOutput(_from_array(tokens), _from_array(deepstack))
 
 

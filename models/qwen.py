@@ -10,8 +10,9 @@ lives in one place per family.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
-from typing import ClassVar, Mapping, Sequence
+from typing import ClassVar
 
 import torch
 from transformers.vision_utils import get_vision_position_ids
@@ -129,6 +130,7 @@ class QwenVisionEncoder:
     def forward_eager(self, pixel_values: torch.Tensor, specs: Sequence[ItemSpec]) -> EncoderOutput:
         layout = self.exact_layout(specs)
         metadata = {
-            name: tensor.to(self.device, non_blocking=True) for name, tensor in self.pack_metadata(specs, layout).items()
+            name: tensor.to(self.device, non_blocking=True)
+            for name, tensor in self.pack_metadata(specs, layout).items()
         }
         return self.forward_padded(pixel_values.to(self.device), metadata, layout)

@@ -7,8 +7,8 @@ Padding rows get zero interpolation weights, so they add nothing.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
-from typing import Mapping, Sequence
 
 import torch
 from transformers.models.qwen2_vl import image_processing_qwen2_vl

@@ -27,9 +27,7 @@ PROCESSOR_CLASSES = {"qwen2-vl": Qwen2VLProcessor, "qwen2.5-vl": Qwen2_5_VLProce
 
 # Qwen2's pre-tokenizer split (as in transformers' Qwen2Tokenizer), so that loading this
 # tokenizer through Qwen2Tokenizer, which rebuilds its pipeline from vocab and merges, encodes alike.
-QWEN_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+QWEN_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
 
 # Qwen2-VL's chat template: a default system turn, `<|im_start|>role\n...<|im_end|>\n` turns,
 # one `<|vision_start|><|image_pad|><|vision_end|>` per image (the processor expands the pad).

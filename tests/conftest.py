@@ -26,9 +26,8 @@ def serve_harness():
 
     harness = ServeHarness()
     yield harness
-    from ray import serve
-
     import ray
+    from ray import serve
 
     serve.shutdown()
     ray.shutdown()

@@ -87,7 +87,9 @@ class ServeHarness:
             if app is not None and app.status == "DEPLOY_FAILED":
                 raise RuntimeError(f"application {name} failed to deploy: {app.message}")
             time.sleep(0.5)
-        raise TimeoutError(f"application {name} not running after {timeout_s} s: {serve.status().applications.get(name)}")
+        raise TimeoutError(
+            f"application {name} not running after {timeout_s} s: {serve.status().applications.get(name)}"
+        )
 
     def http(self, timeout: float = 120) -> httpx.Client:
         return httpx.Client(timeout=timeout)

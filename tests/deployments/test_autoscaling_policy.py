@@ -72,7 +72,11 @@ def test_desired_replicas_never_drops_below_current_when_metrics_are_incomplete(
 ):
     min_replicas = min(min_replicas, max_replicas)
     got = desired_replicas(
-        total_tokens, current_replicas, TARGET_TOKENS, min_replicas, max_replicas,
+        total_tokens,
+        current_replicas,
+        TARGET_TOKENS,
+        min_replicas,
+        max_replicas,
         metrics_complete=False,
     )
     complete = desired_replicas(total_tokens, current_replicas, TARGET_TOKENS, min_replicas, max_replicas)
@@ -109,9 +113,7 @@ def test_bad_target_tokens_per_replica_says_what_to_set(bad_target):
         ({"target_tokens_per_replica": -1}, "set autoscaling_config.policy.policy_kwargs"),
     ],
 )
-def test_serve_rejects_missing_misspelled_or_bad_policy_kwargs_when_it_builds_the_policy(
-    policy_kwargs, error_text
-):
+def test_serve_rejects_missing_misspelled_or_bad_policy_kwargs_when_it_builds_the_policy(policy_kwargs, error_text):
     policy = AutoscalingPolicy(policy_function=POLICY_PATH, policy_kwargs=policy_kwargs)
     with pytest.raises((TypeError, ValueError), match=re.escape(error_text)):
         _resolve_policy_callable(policy)
@@ -256,8 +258,11 @@ def run_ticks(policy, clock, reports, target_num_replicas, offsets_s, **config_f
     for offset_s in offsets_s:
         clock.now_s = start_s + offset_s
         ctx = token_context(
-            reports(offset_s), target_num_replicas=target_num_replicas, now_s=clock.now_s,
-            policy_state=policy_state, **config_fields,
+            reports(offset_s),
+            target_num_replicas=target_num_replicas,
+            now_s=clock.now_s,
+            policy_state=policy_state,
+            **config_fields,
         )
         target_num_replicas, policy_state = policy(ctx)
         decisions.append(target_num_replicas)
@@ -275,7 +280,11 @@ def test_serve_builds_the_class_policy_with_its_policy_kwargs():
 
 def test_serve_scales_down_only_after_downscale_delay_s_of_idle(clock):
     decisions = run_ticks(
-        serve_policy(), clock, lambda _: [(0, 0, 1.0)] * 4, 4, [0, 30, 59.9, 60],
+        serve_policy(),
+        clock,
+        lambda _: [(0, 0, 1.0)] * 4,
+        4,
+        [0, 30, 59.9, 60],
         downscale_delay_s=60,
     )
     assert decisions == [4, 4, 4, 1]
@@ -285,30 +294,30 @@ def test_serve_restarts_the_downscale_delay_when_load_returns(clock):
     def reports(offset_s):
         return [(10_000, 0, 1.0)] * 4 if offset_s == 40 else [(0, 0, 1.0)] * 4
 
-    decisions = run_ticks(
-        serve_policy(), clock, reports, 4, [0, 40, 70, 100, 129, 130], downscale_delay_s=60
-    )
+    decisions = run_ticks(serve_policy(), clock, reports, 4, [0, 40, 70, 100, 129, 130], downscale_delay_s=60)
     assert decisions == [4, 4, 4, 4, 4, 1]
 
 
 def test_serve_scales_up_only_after_upscale_delay_s_of_load(clock):
-    decisions = run_ticks(
-        serve_policy(), clock, lambda _: [(25_000, 0, 1.0)] * 2, 2, [0, 29, 30], upscale_delay_s=30
-    )
+    decisions = run_ticks(serve_policy(), clock, lambda _: [(25_000, 0, 1.0)] * 2, 2, [0, 29, 30], upscale_delay_s=30)
     assert decisions == [2, 2, 5]
 
 
 def test_serve_never_starts_the_downscale_delay_while_a_replica_is_silent(clock):
-    decisions = run_ticks(
-        serve_policy(), clock, lambda _: [(0, 0, 1.0), None], 2, [0, 600, 1200], downscale_delay_s=60
-    )
+    decisions = run_ticks(serve_policy(), clock, lambda _: [(0, 0, 1.0), None], 2, [0, 600, 1200], downscale_delay_s=60)
     assert decisions == [2, 2, 2]
 
 
 def test_serve_scales_to_zero_after_downscale_to_zero_delay_s(clock):
     decisions = run_ticks(
-        serve_policy(), clock, lambda _: [(0, 0, 1.0)], 1, [0, 5],
-        min_replicas=0, downscale_delay_s=600, downscale_to_zero_delay_s=5,
+        serve_policy(),
+        clock,
+        lambda _: [(0, 0, 1.0)],
+        1,
+        [0, 5],
+        min_replicas=0,
+        downscale_delay_s=600,
+        downscale_to_zero_delay_s=5,
     )
     assert decisions == [1, 0]
 

@@ -10,8 +10,8 @@ import itertools
 import json
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import av
 import httpx
@@ -245,7 +245,6 @@ def case(id, body, status, param, *message, app="default", marks=()) -> pytest.p
     return pytest.param(Case(body, status, param, message, app), id=id, marks=marks)
 
 
-
 CASES = [
     # -- base64 and bytes
     case("invalid base64", lambda: one(image_text("not base64!!")), 400, "items[0]", "base64"),
@@ -267,12 +266,18 @@ CASES = [
     case(
         "10000x5000 PNG, over max_image_pixels",
         lambda: second(image(zero_bit_png(10_000, 5_000))),
-        413, "items[1]", "50000000 pixels", "max_image_pixels=40000000",
+        413,
+        "items[1]",
+        "50000000 pixels",
+        "max_image_pixels=40000000",
     ),
     case(
         "decompression bomb: 50000x50000 PNG of 300 kB",
         lambda: one(image(decompression_bomb())),
-        413, "items[0]", "2500000000 pixels", "max_image_pixels=40000000",
+        413,
+        "items[0]",
+        "2500000000 pixels",
+        "max_image_pixels=40000000",
     ),
     # -- formats
     case("PPM", lambda: one(image(ppm())), 415, "items[0]", "PPM", f"allowed_image_formats={DEFAULT_FORMATS}"),
@@ -281,7 +286,11 @@ CASES = [
     case(
         "JPEG where only PNG is allowed",
         lambda: one(image(jpeg(64, 64))),
-        415, "items[0]", "JPEG", "allowed_image_formats=['PNG']", app="limited",
+        415,
+        "items[0]",
+        "JPEG",
+        "allowed_image_formats=['PNG']",
+        app="limited",
     ),
     # -- schema
     case("items not a list", lambda: {"items": "abc"}, 400, "items"),
@@ -305,12 +314,19 @@ CASES = [
     case(
         "video of 257 frames",
         lambda: second(video(*[flat_png(8, 8)] * 257)),
-        413, "items[1]", "257 frames", "max_video_frames=256",
+        413,
+        "items[1]",
+        "257 frames",
+        "max_video_frames=256",
     ),
     case(
         "video of 9 frames",
         lambda: one(video(*[png(32, 32)] * 9)),
-        413, "items[0]", "9 frames", "max_video_frames=8", app="limited",
+        413,
+        "items[0]",
+        "9 frames",
+        "max_video_frames=8",
+        app="limited",
     ),
     # -- videos as files
     case("video file of zero bytes", lambda: second(video_file(b"")), 400, "items[1]", "empty"),
@@ -321,44 +337,73 @@ CASES = [
     case(
         "10 s video file: 20 sampled frames, over max_video_frames",  # the processor samples 2 frames per second
         lambda: one(video_file(mp4(frames=40, fps=4))),
-        413, "items[0]", "20 sampled frames", "max_video_frames=8", app="limited",
+        413,
+        "items[0]",
+        "20 sampled frames",
+        "max_video_frames=8",
+        app="limited",
     ),
     case(
         "800x640 video file, over max_image_pixels",
         lambda: one(video_file(mp4(frames=2, width=800, height=640))),
-        413, "items[0]", "512000 pixels", "max_image_pixels=500000", app="limited",
+        413,
+        "items[0]",
+        "512000 pixels",
+        "max_image_pixels=500000",
+        app="limited",
     ),
     # -- limits
     case(
         "65 items",
         lambda: {"items": [image(flat_png(8, 8))] * 65},
-        413, "items", "65 items", "max_items_per_request=64",
+        413,
+        "items",
+        "65 items",
+        "max_items_per_request=64",
     ),
     case(
         "item over max_item_bytes",
         lambda: second(image(noise_png(60_000))),
-        413, "items[1]", "60000 bytes", "max_item_bytes=50000", app="limited",
+        413,
+        "items[1]",
+        "60000 bytes",
+        "max_item_bytes=50000",
+        app="limited",
     ),
     case(
         "video frames totalling over max_item_bytes",
         lambda: one(video(*[noise_png(20_000)] * 3)),
-        413, "items[0]", "max_item_bytes=50000", app="limited",
+        413,
+        "items[0]",
+        "max_item_bytes=50000",
+        app="limited",
     ),
     case(
         "request body over max_request_bytes",
         lambda: padded_json(one(GOOD_ITEM), 400_000),
-        413, None, "400000 bytes", "max_request_bytes=300000", app="limited",
-
+        413,
+        None,
+        "400000 bytes",
+        "max_request_bytes=300000",
+        app="limited",
     ),
     case(
         "640x480 image: 300 tokens, over max_tokens_per_item",  # 40x30 patches of 16 pixels, merged 2x2
         lambda: second(image(flat_png(640, 480))),
-        413, "items[1]", "300 output tokens", "max_tokens_per_item=100", app="limited",
+        413,
+        "items[1]",
+        "300 output tokens",
+        "max_tokens_per_item=100",
+        app="limited",
     ),
     case(
         "two 320x240 images: 160 tokens, over max_tokens_per_request",  # each resized to 320x256: 80 tokens
         lambda: {"items": [image(flat_png(320, 240)), image(flat_png(240, 320))]},
-        413, "items", "160 output tokens", "max_tokens_per_request=150", app="limited",
+        413,
+        "items",
+        "160 output tokens",
+        "max_tokens_per_request=150",
+        app="limited",
     ),
 ]
 
@@ -540,6 +585,7 @@ def test_data_url_is_the_same_image(urls, client, reference):
 
 def test_a_request_refused_while_decoding_is_counted_and_leaves_nothing_queued(urls, client):
     """The truncated item passes the header checks (so the request's tokens were counted) and fails to decode."""
+
     def router_stats():
         return client.get(urls["default"] + "/v1/models").json()["data"][0]["router"]
 

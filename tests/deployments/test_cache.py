@@ -30,7 +30,9 @@ def test_the_byte_bound_holds_and_least_recent_goes_first():
 
 
 def encoded_items() -> int:
-    return serve.get_deployment_handle("EncoderReplica", app_name="encoder").describe.remote().result()["stats"]["items"]
+    return (
+        serve.get_deployment_handle("EncoderReplica", app_name="encoder").describe.remote().result()["stats"]["items"]
+    )
 
 
 def test_a_cache_hit_returns_identical_embeddings_without_encoding(serve_harness):

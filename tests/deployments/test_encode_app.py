@@ -74,7 +74,9 @@ def test_images_of_many_formats_and_modes_match_transformers(url, reference, ser
     encoder, tower = reference
     cases = images_in_many_formats()
     with serve_harness.http() as client:
-        response = client.post(url + "/v1/encode", json={"items": [{"type": "image", "image": b64(d)} for _, d in cases]})
+        response = client.post(
+            url + "/v1/encode", json={"items": [{"type": "image", "image": b64(d)} for _, d in cases]}
+        )
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["model"] == "qwen3-vl-tiny"
@@ -139,7 +141,9 @@ def test_lone_request_is_served_within_max_wait_plus_compute(url, serve_harness)
     from deployments.encoder import PackRequest
 
     encoder = from_preset("qwen3-vl-tiny")
-    pixels = encoder.preprocessor.resize_image(torch.from_numpy(np.asarray(pattern(300, 300)).transpose(2, 0, 1).copy()))
+    pixels = encoder.preprocessor.resize_image(
+        torch.from_numpy(np.asarray(pattern(300, 300)).transpose(2, 0, 1).copy())
+    )
     spec = encoder.preprocessor.spec("image", 1, *pixels.shape[-2:])
     start = time.perf_counter()
     handle.encode_pack.remote(PackRequest(0, "image", [pixels], [spec])).result()

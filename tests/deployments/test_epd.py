@@ -77,9 +77,7 @@ def monolithic_ids(checkpoint: str, family: str, images) -> list[int]:
 def test_disaggregated_greedy_tokens_equal_monolithic_generate(apps, checkpoints, family, count):
     images = PROMPTS[count]
     client = OpenAI(base_url=apps[family] + "/v1", api_key="unused")
-    reply = client.chat.completions.create(
-        model="tiny", messages=openai_messages(images), max_tokens=16, temperature=0
-    )
+    reply = client.chat.completions.create(model="tiny", messages=openai_messages(images), max_tokens=16, temperature=0)
     ours = reply.choices[0].model_extra["token_ids"]
     assert ours == monolithic_ids(checkpoints[family], family, images)
     assert reply.usage.completion_tokens == len(ours)
@@ -102,8 +100,9 @@ def test_streaming_gives_the_same_tokens_and_usage(apps, serve_harness):
     chunks = [json.loads(e) for e in events[:-1]]
     streamed = [token for chunk in chunks for token in chunk.get("token_ids", [])]
     assert streamed == whole["choices"][0]["token_ids"]
-    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == (
-        whole["choices"][0]["message"]["content"]
+    assert (
+        "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+        == (whole["choices"][0]["message"]["content"])
     )
     assert chunks[-1]["usage"] == whole["usage"]
 
@@ -133,7 +132,9 @@ def test_handle_chat_and_errors(apps, serve_harness):
     reply = handle.chat.remote(openai_messages(IMAGES[:1]), max_tokens=4, temperature=0).result()
     assert reply["object"] == "chat.completion" and len(reply["choices"][0]["token_ids"]) <= 4
     with serve_harness.http() as client:
-        remote = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]
+        remote = [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}
+        ]
         response = client.post(apps["qwen2.5-vl"] + "/v1/chat/completions", json={"messages": remote})
         assert response.status_code == 400 and "data: URLs" in response.json()["error"]["message"]
         too_long = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}

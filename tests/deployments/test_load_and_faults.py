@@ -20,9 +20,12 @@ from tests.deployments.media_helpers import decode_embedding, image_file, patter
 from tests.helpers import reference_tower, relative_error
 
 RESULTS_DIR = Path(os.environ.get("RESULTS_DIR", "/tmp/vlm-encoder-results"))
-POOL = [image_file(pattern(w, h, seed=i), "PNG") for i, (w, h) in enumerate(
-    [(64, 64), (96, 128), (128, 96), (160, 160), (200, 120), (120, 200), (256, 256), (300, 180)] * 2
-)]
+POOL = [
+    image_file(pattern(w, h, seed=i), "PNG")
+    for i, (w, h) in enumerate(
+        [(64, 64), (96, 128), (128, 96), (160, 160), (200, 120), (120, 200), (256, 256), (300, 180)] * 2
+    )
+]
 BAD = [
     {"type": "image", "image": "@@not base64@@"},
     {"type": "image", "image": base64.b64encode(b"plain text, not an image").decode()},
@@ -110,9 +113,15 @@ def test_2000_mixed_requests_at_concurrency_64_lose_nothing(serve_harness, refer
     write_result(
         "cpu_load_2000.json",
         {
-            "requests": len(results), "good_200": len(good), "bad_4xx": len(bad), "lost": 0,
-            "concurrency": 64, "wall_s": round(wall_s, 1), "requests_per_s": round(len(results) / wall_s, 1),
-            "router_rss_mb_samples": rss, "router_rss_growth_mb": round(rss[-1] - rss[0], 1),
+            "requests": len(results),
+            "good_200": len(good),
+            "bad_4xx": len(bad),
+            "lost": 0,
+            "concurrency": 64,
+            "wall_s": round(wall_s, 1),
+            "requests_per_s": round(len(results) / wall_s, 1),
+            "router_rss_mb_samples": rss,
+            "router_rss_growth_mb": round(rss[-1] - rss[0], 1),
         },
     )
     assert rss[-1] - rss[0] < 48, f"router memory grew: {rss}"
@@ -120,7 +129,9 @@ def test_2000_mixed_requests_at_concurrency_64_lose_nothing(serve_harness, refer
 
 def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, reference_outputs):
     url = serve_harness.deploy(
-        "configs/local.yaml", name="faults", route_prefix="/faults",
+        "configs/local.yaml",
+        name="faults",
+        route_prefix="/faults",
         deployments={"EncoderReplica": {"num_replicas": 2}},
         router={"max_wait_ms": 10, "request_timeout_s": 60},
     )
@@ -149,8 +160,12 @@ def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, refe
     write_result(
         "cpu_fault_kill_replica.json",
         {
-            "requests": len(results), "ok_200": statuses.count(200), "failed_503": statuses.count(503),
-            "lost": 0, "wall_s": round(wall_s, 1), "retried_packs": stats["retried_packs"],
+            "requests": len(results),
+            "ok_200": statuses.count(200),
+            "failed_503": statuses.count(503),
+            "lost": 0,
+            "wall_s": round(wall_s, 1),
+            "retried_packs": stats["retried_packs"],
             "failed_packs": stats["failed_packs"],
         },
     )

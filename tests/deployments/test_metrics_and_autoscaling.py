@@ -36,14 +36,21 @@ def test_every_metric_reports_sensible_values_after_a_known_workload(serve_harne
     before = scrape(port)
     with serve_harness.http() as client:
         for _ in range(3):  # one miss, then two cache hits
-            assert client.post(url + "/v1/encode", json={"items": [{"type": "image", "image": b64(small)}]}).status_code == 200
-        assert client.post(url + "/v1/encode", json={"items": [{"type": "image", "image": b64(huge)}]}).status_code == 200
+            assert (
+                client.post(url + "/v1/encode", json={"items": [{"type": "image", "image": b64(small)}]}).status_code
+                == 200
+            )
+        assert (
+            client.post(url + "/v1/encode", json={"items": [{"type": "image", "image": b64(huge)}]}).status_code == 200
+        )
         assert client.post(url + "/v1/encode", json={"items": [{"type": "image", "image": "%%%"}]}).status_code == 400
         assert client.post(url + "/v1/encode", json={"items": "not a list"}).status_code == 400
     deadline, after = time.monotonic() + 60, before
     while time.monotonic() < deadline:
         after = scrape(port)
-        if total(after, "ray_vlm_router_rejected_requests_total") - total(before, "ray_vlm_router_rejected_requests_total") >= 2 and (
+        if total(after, "ray_vlm_router_rejected_requests_total") - total(
+            before, "ray_vlm_router_rejected_requests_total"
+        ) >= 2 and (
             total(after, "ray_vlm_encoder_eager_fallbacks_total", 'reason="oversize"')
             > total(before, "ray_vlm_encoder_eager_fallbacks_total", 'reason="oversize"')
         ):
@@ -84,7 +91,9 @@ def test_sustained_load_scales_encoders_up_and_idle_scales_them_back(serve_harne
         },
     }
     url = serve_harness.deploy(
-        "configs/local.yaml", name="autoscale", route_prefix="/autoscale",
+        "configs/local.yaml",
+        name="autoscale",
+        route_prefix="/autoscale",
         deployments={"EncoderReplica": {"num_replicas": None, "autoscaling_config": autoscaling}},
         router={"max_wait_ms": 5, "cache_bytes": 0},
     )

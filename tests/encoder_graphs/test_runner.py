@@ -33,7 +33,9 @@ def make_images(encoder, rng, sizes):
 def assert_matches_reference(reference, pixel_values, specs, outputs, tolerance=1e-4):
     row = 0
     for spec, out in zip(specs, outputs):
-        expected, expected_deepstack = reference_item(reference, pixel_values[row : row + spec.input_patches], spec.grid_thw)
+        expected, expected_deepstack = reference_item(
+            reference, pixel_values[row : row + spec.input_patches], spec.grid_thw
+        )
         assert out.tokens.shape == expected.shape
         assert relative_error(out.tokens, expected) <= tolerance
         if expected_deepstack is not None:

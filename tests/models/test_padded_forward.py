@@ -87,7 +87,7 @@ def test_eager_forward_matches_transformers(family_setup):
         pixels = encoder.preprocessor.pixel_values([r for r, _ in chosen], modality)
         out = encoder.forward_eager(pixels, [s for _, s in chosen])
         start = row = 0
-        for resized, spec in chosen:
+        for _, spec in chosen:
             expected, _ = reference_item(reference, pixels[row : row + spec.input_patches], spec.grid_thw)
             assert relative_error(out.tokens[start : start + spec.output_tokens], expected) <= TOLERANCE
             start += spec.output_tokens

@@ -12,11 +12,41 @@ from tests.helpers import FAMILY_TINY, random_image, random_video
 # (height, width): square, landscape, portrait, extreme aspect ratios (up to 200:1),
 # tiny (below min_pixels), odd sizes, and huge (above max_pixels).
 IMAGE_SIZES = [
-    (1, 1), (1, 2), (2, 1), (3, 7), (13, 17), (27, 29), (28, 28), (31, 33), (56, 56),
-    (64, 64), (100, 100), (224, 224), (299, 301), (448, 448), (480, 640), (640, 480),
-    (720, 1280), (1080, 1920), (1024, 1024), (1023, 1025), (5, 1000), (1000, 5),
-    (10, 2000), (2000, 10), (20, 4000), (4000, 20), (14, 2800), (50, 10000), (3000, 4000),
-    (4100, 4100), (6000, 8000), (333, 77), (77, 333), (16, 3200), (3200, 16),
+    (1, 1),
+    (1, 2),
+    (2, 1),
+    (3, 7),
+    (13, 17),
+    (27, 29),
+    (28, 28),
+    (31, 33),
+    (56, 56),
+    (64, 64),
+    (100, 100),
+    (224, 224),
+    (299, 301),
+    (448, 448),
+    (480, 640),
+    (640, 480),
+    (720, 1280),
+    (1080, 1920),
+    (1024, 1024),
+    (1023, 1025),
+    (5, 1000),
+    (1000, 5),
+    (10, 2000),
+    (2000, 10),
+    (20, 4000),
+    (4000, 20),
+    (14, 2800),
+    (50, 10000),
+    (3000, 4000),
+    (4100, 4100),
+    (6000, 8000),
+    (333, 77),
+    (77, 333),
+    (16, 3200),
+    (3200, 16),
 ]
 VIDEO_SHAPES = [(1, 64, 64), (2, 120, 160), (3, 200, 100), (4, 56, 56), (5, 360, 640), (8, 100, 700), (9, 33, 47)]
 
@@ -42,7 +72,9 @@ def test_video_token_count_equals_processor_grid(encoder, frames, height, width)
     pre = encoder.preprocessor
     clip = torch.zeros(frames, 3, height, width, dtype=torch.uint8)
     try:
-        out = pre.video_processor(videos=[clip], do_sample_frames=False, return_tensors="pt", cap_pixels_per_frame=False)
+        out = pre.video_processor(
+            videos=[clip], do_sample_frames=False, return_tensors="pt", cap_pixels_per_frame=False
+        )
     except ValueError as refused:  # Qwen3-VL's processor refuses 1-frame clips: so must we
         with pytest.raises(InvalidItemError, match="frame"):
             pre.video_spec(frames, height, width)

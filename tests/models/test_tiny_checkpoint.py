@@ -23,7 +23,7 @@ IMAGE_SIZES = {0: [], 1: [(64, 48)], 3: [(64, 48), (200, 120), (90, 300)]}
 """(width, height) of the images in a prompt, by image count."""
 TEXTS = [
     "The harbor wakes before the town does.",
-    "Count the 12 apples, then write: \"done\"!\n\nTabs\tand  double  spaces stay.",
+    'Count the 12 apples, then write: "done"!\n\nTabs\tand  double  spaces stay.',
     "Words it never saw: quixotic zephyr, Ünïcödé, 東京, emoji 🙂.",
 ]
 
