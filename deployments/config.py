@@ -122,7 +122,9 @@ class LLMSettings(_Strict):
     family: Literal["qwen2-vl", "qwen2.5-vl", "qwen3-vl"] = Field(
         "qwen3-vl", description="Model family; must match the encoder's."
     )
-    preset: Literal["tiny"] = Field("tiny", description="Random-weight preset (tiny). Ignored when `path` is set.")
+    preset: str = Field(
+        "tiny", description="Random-weight preset: 'tiny' or a real size of the family. Ignored when `path` is set."
+    )
     path: str | None = Field(None, description="Full VLM checkpoint (dir or hub id) with its tokenizer.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bf16 on CUDA, fp32 on CPU."
@@ -130,6 +132,16 @@ class LLMSettings(_Strict):
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where LLM replicas run.")
     seed: int = Field(0, description="Seed of the preset's random weights.")
     max_tokens: int = Field(512, gt=0, description="Largest max_tokens a request may ask for.")
+
+
+    @model_validator(mode="after")
+    def _check_preset(self) -> "LLMSettings":
+        if self.path is None:
+            name = self.preset if self.preset in PRESETS else f"{self.family}-{self.preset}"
+            if name not in PRESETS or PRESETS[name].family != self.family:
+                choices = sorted(n for n, p in PRESETS.items() if p.family == self.family)
+                raise ValueError(f"unknown llm preset {self.preset!r} for family {self.family!r}; use one of {choices}")
+        return self
 
 
 class AppConfig(_Strict):

@@ -22,9 +22,9 @@ import torch
 from ray import serve
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from models import family_class, vlm_config
+from models import family_class, resolve_preset, vlm_config
 from models.protocol import ItemOutput
-from models.tiny_checkpoint import build_tiny_tokenizer
+from models.tiny_checkpoint import build_tokenizer
 
 from .config import AppConfig, LLMSettings
 from .encoder import resolve_dtype
@@ -92,10 +92,11 @@ def load_language_model(settings: LLMSettings, device: str, dtype: torch.dtype):
         model = cls.vlm_class.from_pretrained(settings.path, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(settings.path)
     else:
+        preset = resolve_preset(settings.family, settings.preset)
         torch.manual_seed(settings.seed)
         with torch.device(device):
-            model = cls.vlm_class._from_config(vlm_config(settings.preset, settings.family), dtype=dtype)
-        tokenizer = build_tiny_tokenizer()
+            model = cls.vlm_class._from_config(vlm_config(preset), dtype=dtype)
+        tokenizer = build_tokenizer(preset.special_tokens, preset.text_config["max_position_embeddings"])
     vision = model.model.visual
     model.model.visual = PrecomputedVision(
         vision.spatial_merge_size, dtype, with_deepstack=hasattr(vision, "deepstack_merger_list")

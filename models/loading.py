@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .presets import PRESETS, TINY_VLM_TOKEN_IDS, Preset, resolve_preset
+from .presets import PRESETS, Preset, resolve_preset, vlm_token_ids
 from .processing import VisionPreprocessor
 from .qwen import QwenVisionEncoder
 from .qwen2_5_vl import Qwen2_5_VLEncoder
@@ -87,12 +87,17 @@ def load_preprocessor(
 
 
 def vlm_config(preset: str | Preset, family: str | None = None):
-    """The full VLM config (vision + language) of a preset that has a language side (the tiny ones)."""
+    """The full VLM config (vision + language) of a preset."""
     found = preset if isinstance(preset, Preset) else resolve_preset(family, preset)
     if found.text_config is None:
         raise ValueError(f"preset {found.name!r} has no language-model config; load a checkpoint instead")
     cls = family_class(found.family)
-    return cls.vlm_config_class(vision_config=found.vision_config, text_config=found.text_config, **TINY_VLM_TOKEN_IDS)
+    return cls.vlm_config_class(
+        vision_config=found.vision_config,
+        text_config=found.text_config,
+        tie_word_embeddings=found.tie_word_embeddings,
+        **vlm_token_ids(found.special_tokens),
+    )
 
 
 def resolve_checkpoint_dir(path_or_id: str) -> Path:
@@ -162,7 +167,7 @@ def _load_processors(cls: type[QwenVisionEncoder], directory: Path) -> VisionPre
     nested = {}
     if (directory / "processor_config.json").is_file():
         nested = json.loads((directory / "processor_config.json").read_text())
-    defaults = next(p for p in PRESETS.values() if p.family == cls.family and p.text_config is None)
+    defaults = next(p for p in PRESETS.values() if p.family == cls.family and not p.name.endswith("-tiny"))
 
     def load(processor_class, filename: str, key: str, default: dict):
         if (directory / filename).is_file():

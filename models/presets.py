@@ -71,17 +71,33 @@ TINY_TEXT_CONFIG = {
     "pad_token_id": TINY_SPECIAL_TOKENS["<|endoftext|>"],
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 4, 4]},
 }
-TINY_VLM_TOKEN_IDS = {
-    "image_token_id": TINY_SPECIAL_TOKENS["<|image_pad|>"],
-    "video_token_id": TINY_SPECIAL_TOKENS["<|video_pad|>"],
-    "vision_start_token_id": TINY_SPECIAL_TOKENS["<|vision_start|>"],
-    "vision_end_token_id": TINY_SPECIAL_TOKENS["<|vision_end|>"],
+
+
+# The released Qwen VL tokenizers' special-token ids (their vocabularies start the specials at 151643).
+QWEN_SPECIAL_TOKENS = {
+    "<|endoftext|>": 151643,
+    "<|im_start|>": 151644,
+    "<|im_end|>": 151645,
+    "<|vision_start|>": 151652,
+    "<|vision_end|>": 151653,
+    "<|image_pad|>": 151655,
+    "<|video_pad|>": 151656,
 }
+
+
+def vlm_token_ids(special_tokens: dict[str, int]) -> dict[str, int]:
+    """The VLM config's token-id fields for a vocabulary's special tokens."""
+    return {
+        "image_token_id": special_tokens["<|image_pad|>"],
+        "video_token_id": special_tokens["<|video_pad|>"],
+        "vision_start_token_id": special_tokens["<|vision_start|>"],
+        "vision_end_token_id": special_tokens["<|vision_end|>"],
+    }
 
 
 @dataclass(frozen=True)
 class Preset:
-    """A vision tower configuration with random weights."""
+    """A model configuration with random weights: the vision tower, and for E/PD the language side."""
 
     name: str
     family: str
@@ -89,7 +105,10 @@ class Preset:
     image_processor: dict[str, Any] = field(default_factory=dict)
     video_processor: dict[str, Any] = field(default_factory=dict)
     text_config: dict[str, Any] | None = None
-    """Language-model config of the full VLM (tiny presets only; real sizes load checkpoints)."""
+    """Language-model config of the full VLM (as published for real sizes)."""
+    special_tokens: dict[str, int] = field(default_factory=lambda: dict(QWEN_SPECIAL_TOKENS))
+    """Ids of the tokenizer's special tokens (the tiny vocabulary's, or the released one's)."""
+    tie_word_embeddings: bool = False
 
 
 def _qwen2_vl(name: str, **vision: Any) -> Preset:
@@ -104,8 +123,51 @@ def _qwen3_vl(name: str, **vision: Any) -> Preset:
     return Preset(name, "qwen3-vl", vision, QWEN3_IMAGE_PROCESSOR, QWEN3_VIDEO_PROCESSOR)
 
 
+def _qwen3_text(hidden: int, intermediate: int, layers: int, heads: int) -> dict[str, Any]:
+    return dict(
+        vocab_size=151936,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=262144,
+        rope_parameters=_QWEN3_ROPE,
+    )
+
+
 def _with_text(preset: Preset, **text: Any) -> Preset:
-    return replace(preset, text_config={**TINY_TEXT_CONFIG, **text})
+    return replace(preset, text_config={**TINY_TEXT_CONFIG, **text}, special_tokens=dict(TINY_SPECIAL_TOKENS))
+
+
+def _with_real_text(preset: Preset, tie_word_embeddings: bool, **text: Any) -> Preset:
+    """The released model's language side, special tokens at the released ids."""
+    ids = {
+        "bos_token_id": QWEN_SPECIAL_TOKENS["<|endoftext|>"],
+        "eos_token_id": QWEN_SPECIAL_TOKENS["<|im_end|>"],
+        "pad_token_id": QWEN_SPECIAL_TOKENS["<|endoftext|>"],
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+    }
+    return replace(preset, text_config={**ids, **text}, tie_word_embeddings=tie_word_embeddings)
+
+
+_QWEN2_TEXT_7B = dict(
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+)
+_QWEN3_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 5000000.0,
+    "mrope_section": [24, 20, 20],
+    "mrope_interleaved": True,
+}
 
 
 _QWEN2_5_REAL = dict(
@@ -148,14 +210,19 @@ PRESETS: dict[str, Preset] = {
                 hidden_act="quick_gelu",
             )
         ),
-        _qwen2_vl(
-            "qwen2-vl-7b",
-            depth=32,
-            embed_dim=1280,
-            hidden_size=3584,
-            num_heads=16,
-            mlp_ratio=4,
-            hidden_act="quick_gelu",
+        _with_real_text(
+            _qwen2_vl(
+                "qwen2-vl-7b",
+                depth=32,
+                embed_dim=1280,
+                hidden_size=3584,
+                num_heads=16,
+                mlp_ratio=4,
+                hidden_act="quick_gelu",
+            ),
+            False,
+            max_position_embeddings=32768,
+            **_QWEN2_TEXT_7B,
         ),
         _with_text(
             _qwen2_5_vl(
@@ -170,8 +237,24 @@ PRESETS: dict[str, Preset] = {
                 fullatt_block_indexes=[1, 3],
             )
         ),
-        _qwen2_5_vl("qwen2.5-vl-3b", out_hidden_size=2048, **_QWEN2_5_REAL),
-        _qwen2_5_vl("qwen2.5-vl-7b", out_hidden_size=3584, **_QWEN2_5_REAL),
+        _with_real_text(
+            _qwen2_5_vl("qwen2.5-vl-3b", out_hidden_size=2048, **_QWEN2_5_REAL),
+            True,
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=11008,
+            num_hidden_layers=36,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            max_position_embeddings=128000,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+        ),
+        _with_real_text(
+            _qwen2_5_vl("qwen2.5-vl-7b", out_hidden_size=3584, **_QWEN2_5_REAL),
+            False,
+            max_position_embeddings=128000,
+            **_QWEN2_TEXT_7B,
+        ),
         _with_text(
             _qwen3_vl(
                 "qwen3-vl-tiny",
@@ -192,19 +275,31 @@ PRESETS: dict[str, Preset] = {
                 "mrope_interleaved": True,
             },
         ),
-        _qwen3_vl("qwen3-vl-2b", out_hidden_size=2048, **_QWEN3_SMALL),
-        _qwen3_vl("qwen3-vl-4b", out_hidden_size=2560, **_QWEN3_SMALL),
-        _qwen3_vl(
-            "qwen3-vl-8b",
-            depth=27,
-            hidden_size=1152,
-            intermediate_size=4304,
-            num_heads=16,
-            hidden_act="gelu_pytorch_tanh",
-            out_hidden_size=4096,
-            patch_size=16,
-            num_position_embeddings=2304,
-            deepstack_visual_indexes=[8, 16, 24],
+        _with_real_text(
+            _qwen3_vl("qwen3-vl-2b", out_hidden_size=2048, **_QWEN3_SMALL),
+            True,
+            **_qwen3_text(hidden=2048, intermediate=6144, layers=28, heads=16),
+        ),
+        _with_real_text(
+            _qwen3_vl("qwen3-vl-4b", out_hidden_size=2560, **_QWEN3_SMALL),
+            True,
+            **_qwen3_text(hidden=2560, intermediate=9728, layers=36, heads=32),
+        ),
+        _with_real_text(
+            _qwen3_vl(
+                "qwen3-vl-8b",
+                depth=27,
+                hidden_size=1152,
+                intermediate_size=4304,
+                num_heads=16,
+                hidden_act="gelu_pytorch_tanh",
+                out_hidden_size=4096,
+                patch_size=16,
+                num_position_embeddings=2304,
+                deepstack_visual_indexes=[8, 16, 24],
+            ),
+            False,
+            **_qwen3_text(hidden=4096, intermediate=12288, layers=36, heads=32),
         ),
     ]
 }

@@ -106,8 +106,9 @@ def _with_qwen_pipeline(backend: Tokenizer) -> Tokenizer:
     return backend
 
 
-def _trained_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """Byte-level BPE trained on `CORPUS`, its vocabulary filled to exactly `BASE_VOCAB_SIZE`."""
+def _trained_vocab_and_merges(size: int = BASE_VOCAB_SIZE) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Byte-level BPE trained on `CORPUS` (`BASE_VOCAB_SIZE` tokens), the vocabulary filled with
+    unreachable placeholders up to `size` ids (where the special tokens start)."""
     backend = _with_qwen_pipeline(Tokenizer(BPE()))
     trainer = trainers.BpeTrainer(
         vocab_size=BASE_VOCAB_SIZE, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
@@ -115,26 +116,35 @@ def _trained_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     backend.train_from_iterator([CORPUS], trainer=trainer)
     model = json.loads(backend.to_str())["model"]
     vocab = dict(model["vocab"])
-    # Should training stop short, unreachable placeholders keep the special tokens' ids fixed.
-    for index in range(BASE_VOCAB_SIZE - len(vocab)):
+    # Unreachable placeholders keep the special tokens' ids fixed (also should training stop short).
+    for index in range(size - len(vocab)):
         vocab[f"<|unused_{index}|>"] = len(vocab)
-    assert sorted(vocab.values()) == list(range(BASE_VOCAB_SIZE))
+    assert sorted(vocab.values()) == list(range(size))
     return vocab, [tuple(pair) for pair in model["merges"]]
 
 
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     """The tiny presets' tokenizer: deterministic, built in milliseconds, with Qwen's chat template."""
-    vocab, merges = _trained_vocab_and_merges()
+    return build_tokenizer(TINY_SPECIAL_TOKENS, TINY_TEXT_CONFIG["max_position_embeddings"])
+
+
+def build_tokenizer(special_tokens: dict[str, int], model_max_length: int) -> PreTrainedTokenizerFast:
+    """A small byte-level BPE vocabulary with the special tokens at exactly these ids (for random-weight
+    presets of real models too: their specials sit at 151643+; the ids between are placeholders)."""
+    first = min(special_tokens.values())
+    vocab, merges = _trained_vocab_and_merges(first)
     backend = _with_qwen_pipeline(Tokenizer(BPE(vocab=vocab, merges=merges)))
-    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in TINY_SPECIAL_TOKENS])
-    found = {token: backend.token_to_id(token) for token in TINY_SPECIAL_TOKENS}
-    assert found == TINY_SPECIAL_TOKENS, found
+    by_id = {token_id: token for token, token_id in special_tokens.items()}
+    ordered = [by_id.get(i, f"<|reserved_{i}|>") for i in range(first, max(by_id) + 1)]
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in ordered])
+    found = {token: backend.token_to_id(token) for token in special_tokens}
+    assert found == special_tokens, found
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         clean_up_tokenization_spaces=False,
-        model_max_length=TINY_TEXT_CONFIG["max_position_embeddings"],
+        model_max_length=model_max_length,
         chat_template=CHAT_TEMPLATE,
     )
 
