@@ -133,9 +133,8 @@ class LLMSettings(_Strict):
     seed: int = Field(0, description="Seed of the preset's random weights.")
     max_tokens: int = Field(512, gt=0, description="Largest max_tokens a request may ask for.")
 
-
     @model_validator(mode="after")
-    def _check_preset(self) -> "LLMSettings":
+    def _check_preset(self) -> LLMSettings:
         if self.path is None:
             name = self.preset if self.preset in PRESETS else f"{self.family}-{self.preset}"
             if name not in PRESETS or PRESETS[name].family != self.family:
