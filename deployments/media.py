@@ -13,7 +13,6 @@ import binascii
 import io
 from dataclasses import dataclass
 
-import av
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -159,6 +158,8 @@ def inspect_frames(frames: list[bytes], index: int, limits: Limits, pre: VisionP
 
 def _video_frame_count(data: bytes, index: int) -> tuple[int, float, int, int]:
     """(frames, fps, width, height) from the container, counting packets (no decoding)."""
+    import av  # only video files need PyAV
+
     try:
         with av.open(io.BytesIO(data)) as container:
             if not container.streams.video:
@@ -210,6 +211,8 @@ def inspect_video(data: bytes, index: int, limits: Limits, pre: VisionPreprocess
 
 def decode_video_frames(item: InspectedItem) -> list[torch.Tensor]:
     """The sampled frames as `[3, H, W]` uint8 tensors, decoding no further than the last one."""
+    import av
+
     wanted, frames = set(item.frame_indices), []
     try:
         with av.open(io.BytesIO(item.video)) as container:
