@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from encoder_graphs.runner import EncoderRunner, GraphConfig  # noqa: E402
+from encoder_graphs.selfcheck import interleaved_ms, time_ms  # noqa: E402
 from models import attention, from_preset  # noqa: E402
 from models.protocol import ItemSpec  # noqa: E402
 
@@ -53,40 +54,6 @@ def measure_peak_tflops(device: torch.device) -> float:
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     ms = time_ms(lambda: a @ b, device, repeats=10)
     return 2 * 8192**3 / (ms * 1e-3) / 1e12
-
-
-def time_ms(fn, device: torch.device, repeats: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        samples.append((time.perf_counter() - start) * 1e3)
-    return float(np.median(samples))
-
-
-def interleaved_ms(paths: dict, device: torch.device, repeats: int = 10, warmup: int = 3) -> dict[str, float]:
-    """Median ms of each path, timed in turns (A, B, C, A, B, C, ...) so drift and background
-    work (compile workers, clocks) hit every path alike."""
-    for _ in range(warmup):
-        for fn in paths.values():
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(repeats):
-        for name, fn in paths.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            samples[name].append((time.perf_counter() - start) * 1e3)
-    return {name: float(np.median(values)) for name, values in samples.items()}
 
 
 def useful_flops(encoder, specs: list[ItemSpec]) -> float:
@@ -164,6 +131,8 @@ def bench_preset(preset: str, device: torch.device, dtype: torch.dtype, config: 
                     "graph": lambda: runner.run(pixels, specs),
                 },
                 device,
+                repeats=10,
+                warmup=3,
             )
         hf_ms, eager_ms, graph_ms = timings["hf"], timings["eager"], timings["graph"]
         path = "graph" if sum(after["graph_hits"].values()) > sum(before["graph_hits"].values()) else "eager"

@@ -20,7 +20,7 @@ from models.protocol import ItemOutput
 def content_key(model_id: str, modality: str, pixels: torch.Tensor) -> bytes:
     digest = hashlib.blake2b(digest_size=32)
     digest.update(f"{model_id}|{modality}|{tuple(pixels.shape)}|".encode())
-    digest.update(pixels.contiguous().numpy().tobytes())
+    digest.update(memoryview(pixels.contiguous().numpy()).cast("B"))
     return digest.digest()
 
 
@@ -54,6 +54,8 @@ class EmbeddingCache:
         size = output_bytes(output)
         if size > self.max_bytes or key in self._entries:
             return
+        # Own copies: an item's tensors may view its whole pack's buffer, which must not stay pinned.
+        output = ItemOutput(output.tokens.clone(), None if output.deepstack is None else output.deepstack.clone())
         while self.bytes + size > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)
             self.bytes -= output_bytes(evicted)
@@ -72,9 +74,10 @@ class InflightTable:
 
     def join(self, key: bytes) -> asyncio.Future | None:
         future = self._futures.get(key)
-        if future is not None:
-            self._waiters[key] += 1
-            self.joined += 1
+        if future is None or future.done():
+            return None
+        self._waiters[key] += 1
+        self.joined += 1
         return future
 
     def start(self, key: bytes, future: asyncio.Future) -> None:
@@ -82,9 +85,10 @@ class InflightTable:
         self._waiters[key] = 1
         future.add_done_callback(lambda _: self._forget(key, future))
 
-    def leave(self, key: bytes) -> bool:
-        """One waiter is gone; True when nobody waits any more (the item may be dropped)."""
-        if key not in self._waiters:
+    def leave(self, key: bytes, future: asyncio.Future) -> bool:
+        """One waiter of `future` is gone; True when nobody waits for it any more (it may be dropped).
+        A finished future's entry may already belong to a newer future of the same key: untouched."""
+        if self._futures.get(key) is not future:
             return True
         self._waiters[key] -= 1
         return self._waiters[key] <= 0

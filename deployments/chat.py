@@ -64,10 +64,23 @@ class ChatRequest(_Body):
     user: str | None = Field(None, description="Accepted and ignored.")
 
 
+RESERVED_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+def _check_text(text: str, index: int) -> None:
+    """Vision placeholders typed as text would be read as image slots; refuse them."""
+    for token in RESERVED_TOKENS:
+        if token in text:
+            raise RequestError(400, f"messages[{index}]: text may not contain {token}", param=f"messages[{index}]")
+
+
 def split_messages(messages: list[ChatMessage]) -> tuple[list[dict], list[str]]:
     """(chat-template messages with image placeholders, data URLs in order)."""
     converted, urls = [], []
     for index, message in enumerate(messages):
+        for part in [message.content] if isinstance(message.content, str) else message.content:
+            if isinstance(part, (str, TextPart)):
+                _check_text(part if isinstance(part, str) else part.text, index)
         if isinstance(message.content, str):
             converted.append({"role": message.role, "content": message.content})
             continue

@@ -108,6 +108,11 @@ class EncoderReplica:
             self._count(queued=-pack.tokens, inflight=pack.tokens)
             try:
                 outputs = self._encode(pack)
+            except RuntimeError as error:
+                if "CUDA error" in str(error):  # sticky: this process cannot use the GPU any more
+                    logger.critical("CUDA error in encoder replica, exiting so Serve replaces it: %s", error)
+                    os._exit(1)  # callers see the replica die and resend the pack elsewhere
+                raise
             finally:
                 self._count(inflight=-pack.tokens)
             result = PackResult(outputs, queue_s=started - arrived, forward_s=time.perf_counter() - started)

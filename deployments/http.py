@@ -7,12 +7,16 @@ object that actually serves requests: `request.app.state.router` (set by the rou
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from .errors import RequestError
 from .schemas import ErrorResponse
+
+logger = logging.getLogger("ray.serve")
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 413, 415, 500, 503, 504)}
 
@@ -71,6 +75,7 @@ def create_api() -> FastAPI:
     api.add_middleware(BodyLimit)
     api.add_exception_handler(RequestError, _request_error)
     api.add_exception_handler(RequestValidationError, _validation_error)
+    api.add_exception_handler(Exception, _unexpected_error)
     return api
 
 
@@ -83,6 +88,14 @@ def _count(request: Request, status: int) -> None:
 async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
     _count(request, exc.status)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    """Anything not foreseen: logged with its traceback, a 500 with the documented body."""
+    logger.exception("unexpected error on %s", request.url.path, exc_info=exc)
+    _count(request, 500)
+    error = RequestError(500, "internal error; the details are in the service log", error_type="internal_error")
+    return JSONResponse(error.body(), status_code=500)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

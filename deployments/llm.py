@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from ray import serve
+from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from models import family_class, resolve_preset, vlm_config
@@ -56,6 +57,16 @@ class GenerateResult:
     finish_reason: str
     handoff: dict = field(default_factory=dict)
     """Embedding handoff for this request: bytes fetched and milliseconds spent."""
+
+
+class StopWhenSet(StoppingCriteria):
+    """Stops generation once the request is cancelled (its client went away)."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
 class PrecomputedVision(torch.nn.Module):
@@ -153,7 +164,7 @@ class LLMReplica:
         return {k: v.to(self.device) for k, v in inputs.items()}
 
     def _generate(
-        self, request: GenerateRequest, items: list[ItemOutput], streamer=None
+        self, request: GenerateRequest, items: list[ItemOutput], streamer=None, cancelled: threading.Event | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(prompt ids, new ids) for one request; generation runs one request at a time."""
         with self._lock, torch.inference_mode():
@@ -164,14 +175,17 @@ class LLMReplica:
                 if request.seed is not None:
                     torch.manual_seed(request.seed)
                 sampling = {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p}
-            out = self.model.generate(
-                **inputs,
-                max_new_tokens=request.max_tokens,
-                streamer=streamer,
-                pad_token_id=self.tokenizer.pad_token_id,
-                **sampling,
-            )
-            self.model.model.visual.current = []
+            try:
+                out = self.model.generate(
+                    **inputs,
+                    max_new_tokens=request.max_tokens,
+                    streamer=streamer,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    stopping_criteria=StoppingCriteriaList([StopWhenSet(cancelled or threading.Event())]),
+                    **sampling,
+                )
+            finally:
+                self.model.model.visual.current = []
             return inputs["input_ids"], out[0, inputs["input_ids"].shape[1] :].cpu()
 
     def _to_device(self, item: ItemOutput) -> ItemOutput:
@@ -181,7 +195,12 @@ class LLMReplica:
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         items, handoff = await self._fetch(request)
-        prompt, new = await asyncio.to_thread(self._generate, request, items)
+        cancelled = threading.Event()
+        try:
+            prompt, new = await asyncio.to_thread(self._generate, request, items, None, cancelled)
+        except asyncio.CancelledError:  # the caller went away: stop generating, free the model
+            cancelled.set()
+            raise
         ids = new.tolist()
         eos = self.tokenizer.convert_tokens_to_ids(self.tokenizer.eos_token)
         finish = "stop" if ids and ids[-1] == eos else "length"
@@ -212,16 +231,28 @@ class LLMReplica:
                 loop.call_soon_threadsafe(queue.put_nowait, value.flatten().tolist())
 
             def end(self):
+                pass  # the end is signalled once generation returns or fails (below)
+
+        cancelled = threading.Event()
+
+        def run():
+            try:
+                return self._generate(request, items, ToQueue(), cancelled)
+            finally:  # also when generation raises: the loop below must not wait forever
                 loop.call_soon_threadsafe(queue.put_nowait, None)
 
-        task = asyncio.ensure_future(asyncio.to_thread(self._generate, request, items, ToQueue()))
+        task = asyncio.ensure_future(asyncio.to_thread(run))
         generated, emitted = [], ""
-        while (ids := await queue.get()) is not None:
-            generated += ids
-            text = self.tokenizer.decode(generated, skip_special_tokens=True)
-            delta = "" if text.endswith("\ufffd") else text[len(emitted) :]  # wait for whole characters
-            emitted += delta
-            yield {"token_ids": ids, "text": delta}
+        try:
+            while (ids := await queue.get()) is not None:
+                generated += ids
+                text = self.tokenizer.decode(generated, skip_special_tokens=True)
+                delta = "" if text.endswith("\ufffd") else text[len(emitted) :]  # wait for whole characters
+                emitted += delta
+                yield {"token_ids": ids, "text": delta}
+        finally:  # the client closed the stream: stop generating
+            if not task.done():
+                cancelled.set()
         prompt, new = await task
         ids = new.tolist()
         eos = self.tokenizer.convert_tokens_to_ids(self.tokenizer.eos_token)

@@ -36,6 +36,8 @@ class DecodedItem:
     pixels: torch.Tensor
     """uint8 `[3, h, w]` (image) or `[T, 3, h, w]` (video), already resized by the processor's rule."""
     spec: ItemSpec
+    key: bytes | None = None
+    """Content hash for the cache and in-flight dedup (None: the request opted out)."""
 
 
 def decode_base64(data: str, index: int, limits: Limits) -> bytes:
@@ -128,6 +130,14 @@ def inspect_image(data: bytes, index: int, limits: Limits, pre: VisionPreprocess
     return InspectedItem(index, "image", [image], spec)
 
 
+def check_pil_pixels(image: Image.Image, index: int, limits: Limits) -> None:
+    width, height = image.size
+    if width * height > limits.max_image_pixels:
+        raise item_error(
+            index, 413, f"{width}x{height} = {width * height} pixels exceeds max_image_pixels={limits.max_image_pixels}"
+        )
+
+
 def inspect_pil(image: Image.Image, index: int, limits: Limits, pre: VisionPreprocessor) -> InspectedItem:
     """An already decoded PIL image (from the Python handle): pixel and token limits only."""
     width, height = image.size
@@ -148,6 +158,8 @@ def inspect_frames(frames: list[bytes], index: int, limits: Limits, pre: VisionP
     if sum(len(f) for f in frames if isinstance(f, (bytes, bytearray))) > limits.max_item_bytes:
         raise item_error(index, 413, f"frames total more than max_item_bytes={limits.max_item_bytes}")
     images = [f if isinstance(f, Image.Image) else open_image(bytes(f), index, limits) for f in frames]
+    for image in images:
+        check_pil_pixels(image, index, limits)
     sizes = {image.size for image in images}
     if len(sizes) != 1:
         raise item_error(index, 400, f"video frames differ in size: {sorted(sizes)}")

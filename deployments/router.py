@@ -20,6 +20,7 @@ import ray
 import torch
 from fastapi.responses import Response, StreamingResponse
 from PIL import Image
+from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -106,7 +107,8 @@ class EncoderRouter:
 
     @api.post("/v1/encode", response_model=EncodeResponse)
     async def encode_http(self, body: EncodeRequest) -> Response:
-        raw = [self._raw_from_http(index, item) for index, item in enumerate(body.items)]
+        self._check_item_count(len(body.items))
+        raw = await asyncio.to_thread(lambda: [self._raw_from_http(i, item) for i, item in enumerate(body.items)])
         results = await self._encode(raw, use_cache=body.cache)
         content = await asyncio.to_thread(
             encode_response_json, self.config.model.model_id, results, body.encoding_format
@@ -119,7 +121,7 @@ class EncoderRouter:
 
     @api.get("/v1/models")
     async def models(self) -> dict:
-        status = serve.status()
+        status = await asyncio.to_thread(serve.status)
         app = next((a for a in status.applications.values() if "EncoderReplica" in a.deployments), None)
         replicas = {} if app is None else dict(app.deployments["EncoderReplica"].replica_states)
         return {
@@ -157,13 +159,24 @@ class EncoderRouter:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._chat_stream(request, include_usage), media_type="text/event-stream")
-        result = await self.llm.generate.remote(request)
+        try:
+            result = await asyncio.wait_for(self.llm.generate.remote(request), self.config.router.request_timeout_s)
+        except asyncio.TimeoutError:
+            timeout = self.config.router.request_timeout_s
+            raise RequestError(
+                504, f"not done within request_timeout_s={timeout}", error_type="timeout_error"
+            ) from None
         return completion(self.config.model.model_id, result)
 
     async def chat(self, messages: list[dict], **params) -> dict:
         """The chat endpoint through the Python handle: OpenAI-shaped messages in, a chat.completion out."""
         try:
-            body = ChatRequest.model_validate({"messages": messages, **params, "stream": False})
+            try:
+                body = ChatRequest.model_validate({"messages": messages, **params, "stream": False})
+            except ValidationError as error:
+                first = error.errors()[0]
+                where = ".".join(str(part) for part in first["loc"])
+                raise RequestError(400, f"{where}: {first['msg']}", param=where) from None
             return await self.chat_http(body)
         except RequestError as error:
             self.count_rejection(error.status)
@@ -172,10 +185,6 @@ class EncoderRouter:
     async def _chat_request(self, body: ChatRequest) -> GenerateRequest:
         if self.llm is None:
             raise RequestError(404, "this deployment has no LLM (set `llm` in the app config)", error_type="not_found")
-        messages, urls = split_messages(body.messages)
-        raw = [("image", media.decode_base64(url, index, self.config.limits)) for index, url in enumerate(urls)]
-        decoded = await self._decode(raw)
-        refs = await self._enqueue(decoded, as_refs=True)
         max_tokens = body.max_completion_tokens or body.max_tokens or 16
         if max_tokens > self.config.llm.max_tokens:
             raise RequestError(
@@ -183,6 +192,13 @@ class EncoderRouter:
                 f"max_tokens={max_tokens} exceeds the deployment's llm.max_tokens={self.config.llm.max_tokens}",
                 param="max_tokens",
             )
+        messages, urls = split_messages(body.messages)
+        self._check_item_count(len(urls))
+        raw = await asyncio.to_thread(
+            lambda: [("image", media.decode_base64(url, index, self.config.limits)) for index, url in enumerate(urls)]
+        )
+        decoded = await self._decode(raw, as_refs=True)
+        refs = await self._enqueue(decoded, as_refs=True)
         return GenerateRequest(
             messages=messages,
             embeddings=refs,
@@ -219,23 +235,29 @@ class EncoderRouter:
             raise
 
     def _raw_from_python(self, index: int, item) -> tuple[str, Any]:
-        if isinstance(item, (bytes, bytearray, Image.Image)):
+        image_types = (bytes, bytearray, Image.Image)
+        if isinstance(item, dict) and item.get("type") == "image":
+            item = item.get("image")
+        if isinstance(item, image_types):
             return "image", item
-        if isinstance(item, dict) and item.get("type") == "image" and "image" in item:
-            return "image", item["image"]
-        if isinstance(item, dict) and item.get("type") == "video" and isinstance(item.get("frames"), list):
-            return "frames", item["frames"]
-        if isinstance(item, dict) and item.get("type") == "video" and isinstance(item.get("video"), (bytes, bytearray)):
-            return "video", item["video"]
+        if isinstance(item, dict) and item.get("type") == "video":
+            frames, video = item.get("frames"), item.get("video")
+            if isinstance(frames, list) and all(isinstance(f, image_types) for f in frames):
+                return "frames", frames
+            if isinstance(video, (bytes, bytearray)):
+                return "video", video
         raise item_error(
-            index, 400, f"unsupported item of type {type(item).__name__}; pass a PIL image, bytes, or a dict"
+            index,
+            400,
+            f"unsupported item {type(item).__name__}; pass a PIL image, encoded image bytes, "
+            '{"type": "video", "frames": [...]} or {"type": "video", "video": <file bytes>}',
         )
 
     # ---- the shared path ----
 
     async def _encode(self, raw: list[tuple[str, Any]], use_cache: bool = True) -> list[EncodeResult]:
-        decoded = await self._decode(raw)
-        outputs = await self._enqueue(decoded, use_cache=use_cache)
+        decoded = await self._decode(raw, keyed=use_cache)
+        outputs = await self._enqueue(decoded)
         if decoded:
             self.metrics.vision_tokens.inc(sum(d.spec.output_tokens for d in decoded))
         return [
@@ -243,20 +265,30 @@ class EncoderRouter:
             for index, (item, out) in enumerate(zip(decoded, outputs))
         ]
 
-    async def _decode(self, raw: list[tuple[str, Any]]) -> list[media.DecodedItem]:
-        """Check limits from headers, then decode and resize off the event loop."""
+    def _check_item_count(self, count: int) -> None:
+        limit = self.config.limits.max_items_per_request
+        if count > limit:
+            raise RequestError(413, f"{count} items exceeds max_items_per_request={limit}", "items")
+
+    async def _decode(self, raw: list[tuple[str, Any]], keyed: bool = True, as_refs: bool = False) -> list:
+        """Check limits from headers, then decode, resize and (for dedup and the cache) hash the
+        pixels, off the event loop."""
         limits = self.config.limits
         start = time.perf_counter()
-        if len(raw) > limits.max_items_per_request:
-            raise RequestError(
-                413, f"{len(raw)} items exceeds max_items_per_request={limits.max_items_per_request}", "items"
-            )
+        self._check_item_count(len(raw))
         inspected = await asyncio.to_thread(
             lambda: [self._inspect(i, kind, value) for i, (kind, value) in enumerate(raw)]
         )
         media.check_request_tokens(inspected, limits)
         self._check_capacity(sum(item.spec.output_tokens for item in inspected))
-        decoded = await asyncio.to_thread(lambda: [media.decode(i, limits, self.preprocessor) for i in inspected])
+
+        def decode_all() -> list[media.DecodedItem]:
+            decoded = [media.decode(i, limits, self.preprocessor) for i in inspected]
+            for item in decoded:
+                item.key = self._cache_key(item, as_refs) if keyed else None
+            return decoded
+
+        decoded = await asyncio.to_thread(decode_all)
         self.metrics.preprocess_seconds.observe(time.perf_counter() - start)
         return decoded
 
@@ -276,13 +308,13 @@ class EncoderRouter:
         except Overloaded as exc:
             raise overloaded(str(exc), self.config.router.retry_after_s) from None
 
-    async def _enqueue(self, decoded: list[media.DecodedItem], as_refs: bool = False, use_cache: bool = True) -> list:
+    async def _enqueue(self, decoded: list[media.DecodedItem], as_refs: bool = False) -> list:
         """Each item's output: from the cache, from an identical item in flight, or from a new pack."""
         loop = asyncio.get_running_loop()
         request_id = uuid.uuid4().hex
         waits, mine, new = [], [], []  # futures to await; (key, future) this request holds; items to queue
         for item in decoded:
-            key = self._cache_key(item, as_refs) if use_cache else None
+            key = item.key
             cached = None if key is None or as_refs else self.cache.get(key)
             if cached is not None:
                 self.metrics.cache_hits.inc()
@@ -318,14 +350,11 @@ class EncoderRouter:
             ) from None
         finally:
             for key, future in mine:  # nothing stays queued for a request that is gone, unless shared
-                if not future.done() and (key is None or self.inflight.leave(key)):
+                last = key is None or self.inflight.leave(key, future)
+                if last and not future.done():
                     future.cancel()
-                elif key is not None and future.done():
-                    self.inflight.leave(key)
 
-    def _cache_key(self, item: media.DecodedItem, as_refs: bool) -> bytes | None:
-        if self.config.router.cache_bytes == 0 and not as_refs:
-            return None
+    def _cache_key(self, item: media.DecodedItem, as_refs: bool) -> bytes:
         kind = "ref:" if as_refs else ""
         return content_key(kind + self.config.model.model_id, item.spec.modality, item.pixels)
 
@@ -355,12 +384,13 @@ class EncoderRouter:
         self.metrics.queued_tokens.set(self.scheduler.queued_tokens)
 
     def _pack_error(self, error: Exception, retried: bool) -> Exception:
-        """What a request whose pack failed gets: 503 if a replica died (after the retry), else 500."""
-        if replica_failed(error):
-            again = " after a retry on another replica" if retried else ""
-            return overloaded(f"an encoder replica failed while encoding this request{again}: {error!r}"[:500], 1)
-        logger.exception("pack failed", exc_info=error)
-        return RequestError(500, f"encoding failed: {type(error).__name__}", error_type="internal_error")
+        """What a request whose pack failed gets: 503 if a replica died (after the retry), else 500.
+        The details go to the log, not to the client."""
+        logger.error("pack failed (retried: %s): %r", retried, error)
+        if replica_failed(error) or isinstance(error, ConnectionAbortedError):
+            again = " after a retry" if retried else ""
+            return overloaded(f"an encoder replica failed while encoding this request{again}; retry", 1)
+        return RequestError(500, "encoding failed; the error is in the service log", error_type="internal_error")
 
     def count_rejection(self, status: int) -> None:
         """Count a refused request by reason (for /v1/models and the metric)."""

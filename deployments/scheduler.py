@@ -11,6 +11,7 @@ No Ray here: `dispatch` is any coroutine function that encodes one pack.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import time
@@ -92,6 +93,14 @@ def never_retry(error: Exception) -> bool:
     return False
 
 
+def _detached_task(coroutine) -> asyncio.Task:
+    """A task that does not inherit the submitting request's context: packs carry items of many
+    requests, so they must not carry one request's Serve metadata (its request id, its
+    cancellation when that client leaves)."""
+    loop = asyncio.get_running_loop()
+    return contextvars.Context().run(loop.create_task, coroutine)
+
+
 class PackScheduler:
     def __init__(
         self,
@@ -147,11 +156,15 @@ class PackScheduler:
 
     def _ensure_running(self) -> None:
         if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+            self._loop_task = _detached_task(self._run())
 
     async def _run(self) -> None:
         while True:
-            timeout = self._send_closed_packs()
+            try:
+                timeout = self._send_closed_packs()
+            except Exception:  # never let the loop die silently with items queued
+                logger.exception("pack scheduler iteration failed")
+                timeout = 0.1
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
@@ -196,7 +209,7 @@ class PackScheduler:
             self._on_pack(items, budget)
         tokens = sum(item.spec.output_tokens for item in items)
         self._inflight_tokens += tokens
-        task = asyncio.get_running_loop().create_task(self._deliver(modality, items, tokens))
+        task = _detached_task(self._deliver(modality, items, tokens))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -214,6 +227,11 @@ class PackScheduler:
             return
         try:
             outputs = await self._dispatch(modality, live)
+        except asyncio.CancelledError:
+            for item in live:  # nobody may wait forever on a pack that was cancelled under it
+                if not item.future.done():
+                    item.future.set_exception(self._final_error(ConnectionAbortedError("pack cancelled"), False))
+            raise
         except Exception as error:
             self.stats.failed_packs += 1
             if self._retryable(error) and retries_left > 0:

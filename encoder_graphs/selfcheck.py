@@ -40,16 +40,27 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected).abs().max() / scale).item()
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
-    """Median wall time of `fn` in milliseconds, after one warm-up call, synchronized."""
-    fn()
-    samples = []
+def interleaved_ms(
+    paths: dict[str, Callable[[], object]], device: torch.device, repeats: int = 3, warmup: int = 1
+) -> dict[str, float]:
+    """Median wall ms of each path, synchronized, timed in turns (A, B, A, B, ...) so that drift and
+    background work hit every path alike."""
+    for _ in range(warmup):
+        for fn in paths.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        samples.append((time.perf_counter() - start) * 1e3)
-    return sorted(samples)[len(samples) // 2]
+        for name, fn in paths.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: sorted(values)[len(values) // 2] for name, values in samples.items()}
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 3, warmup: int = 1) -> float:
+    """Median wall ms of `fn`, synchronized."""
+    return interleaved_ms({"fn": fn}, device, repeats, warmup)["fn"]

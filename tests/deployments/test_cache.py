@@ -60,3 +60,27 @@ def test_20_concurrent_identical_requests_cause_one_encode(serve_harness):
     assert len({r.json()["data"][0]["embedding"] for r in replies}) == 1
     assert encoded_items() == before + 1
     assert cache["inflight_dedup"] + cache["hits"] >= 19
+
+
+def test_a_finished_items_waiters_never_touch_a_newer_future_of_the_same_content():
+    """Request A's X finished; B re-encodes X (new future); A leaving must not let C's wait be cancelled."""
+    import asyncio
+
+    from deployments.cache import InflightTable
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        table = InflightTable()
+        first = loop.create_future()
+        table.start(b"x", first)  # request A
+        first.set_result("done")
+        await asyncio.sleep(0)  # A's future finishes and is forgotten
+        second = loop.create_future()
+        assert table.join(b"x") is None
+        table.start(b"x", second)  # request B
+        assert table.leave(b"x", first)  # A leaves: its finished future, not B's
+        assert table.join(b"x") is second  # request C joins B's future
+        assert not table.leave(b"x", second)  # B leaves: C still waits, so it must not be cancelled
+        assert table.leave(b"x", second)  # C leaves: nobody waits any more
+
+    asyncio.run(main())

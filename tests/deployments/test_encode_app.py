@@ -200,3 +200,10 @@ def test_health_models_and_docs(url, serve_harness):
         assert model["encoder_replicas"] == {"RUNNING": 1}
         assert client.get(url + "/docs").status_code == 200
         assert "/v1/encode" in client.get(url + "/openapi.json").json()["paths"]
+
+
+def test_handle_refuses_unsupported_items_with_a_clear_error(url):
+    handle = serve.get_app_handle("encoder")
+    for bad in (12345, "a string", {"type": "video", "frames": [1, 2]}, {"type": "audio"}):
+        with pytest.raises(Exception, match=r"items\[0\]: unsupported item"):
+            handle.encode.remote([bad]).result()

@@ -190,3 +190,26 @@ def test_a_pack_that_keeps_failing_fails_with_the_final_error():
     sched, results = asyncio.run(main())
     assert all(isinstance(r, ConnectionError) and "retried=True" in str(r) for r in results)
     assert sched.stats.retried_packs == 1 and sched.stats.failed_packs == 2 and sched.queued_tokens == 0
+
+
+def test_packs_do_not_run_in_the_submitting_requests_context():
+    """A pack carries many requests' items: it must not inherit one request's context (Serve metadata)."""
+    import contextvars
+
+    request = contextvars.ContextVar("request", default=None)
+    seen = []
+
+    class Recording(Recorder):
+        async def __call__(self, modality, items):
+            seen.append(request.get())
+            return await super().__call__(modality, items)
+
+    async def main():
+        sched = scheduler(Recording(), max_wait_s=0.0)
+        request.set("first request")
+        batch = items([10], "x")
+        sched.submit(batch)
+        await batch[0].future
+
+    asyncio.run(main())
+    assert seen == [None]
