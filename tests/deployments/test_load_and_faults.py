@@ -43,7 +43,7 @@ def build_requests(count: int, bad_fraction: float, seed: int = 0) -> list[tuple
         bad = bool(rng.random() < bad_fraction)
         if bad:
             items[int(rng.integers(0, len(items)))] = BAD[int(rng.integers(0, len(BAD)))]
-        requests.append((bad, picks, {"items": items}))
+        requests.append((bad, picks, {"items": items, "cache": False}))  # every item really encoded
     return requests
 
 
@@ -170,6 +170,7 @@ def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, refe
         },
     )
     assert statuses.count(200) > len(results) // 2
+    assert stats["retried_packs"] >= 1  # the kill did hit packs in flight
     serve_harness.wait_running("faults")  # Serve restarted the replica
 
 
