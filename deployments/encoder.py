@@ -142,13 +142,10 @@ class EncoderReplica:
     def _encode(self, pack: PackRequest) -> list[ItemOutput]:
         device = self.encoder.device
         pixel_values = self.encoder.preprocessor.pixel_values(pack.pixels, pack.modality, device=device)
-        outputs = self.runner.run(pixel_values.to(self.encoder.dtype), pack.specs)
+        # One device-to-host copy for the whole pack; items are views of it.
+        outputs = self.runner.run(pixel_values.to(self.encoder.dtype), pack.specs, output_device="cpu")
         as_refs = pack.as_refs or [False] * len(outputs)
-        results = []
-        for out, as_ref in zip(outputs, as_refs):
-            item = ItemOutput(tokens=out.tokens.cpu(), deepstack=None if out.deepstack is None else out.deepstack.cpu())
-            results.append(ray.put(item) if as_ref else item)
-        return results
+        return [ray.put(out) if as_ref else out for out, as_ref in zip(outputs, as_refs)]
 
     def record_routing_stats(self) -> dict:
         return {"queued_tokens": self._queued_tokens + self._inflight_tokens}

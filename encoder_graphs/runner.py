@@ -93,6 +93,11 @@ class GraphEntry:
     self_check_error: float = math.nan
 
 
+def _moved(out: EncoderOutput, device: torch.device) -> EncoderOutput:
+    deepstack = None if out.deepstack is None else out.deepstack.to(device)
+    return EncoderOutput(out.tokens.to(device), deepstack)
+
+
 def build_ladder(config: GraphConfig, smallest_item_tokens: int) -> tuple[tuple[int, ...], int]:
     """(budget ladder, max items per pack) for a model whose smallest item has this many tokens."""
     if config.budgets is not None:
@@ -247,8 +252,12 @@ class EncoderRunner:
 
     # ---- serving ----
 
-    def run(self, pixel_values: torch.Tensor, specs: Sequence[ItemSpec]) -> list[ItemOutput]:
-        """Encode one pack (`pixel_values` rows in item order) and return one output per item."""
+    def run(
+        self, pixel_values: torch.Tensor, specs: Sequence[ItemSpec], output_device: torch.device | str | None = None
+    ) -> list[ItemOutput]:
+        """Encode one pack (`pixel_values` rows in item order) and return one output per item, on
+        `output_device` (default: the encoder's), copied once out of the static buffers."""
+        output_device = torch.device(output_device) if output_device is not None else self.device
         self.stats.packs += 1
         self.stats.items += len(specs)
         tokens = sum(s.output_tokens for s in specs)
@@ -256,16 +265,16 @@ class EncoderRunner:
         entry, metadata_or_reason = self._select(specs, tokens, budget)
         if entry is None:
             self.stats.record_eager(metadata_or_reason, budget, tokens)
-            return self._split(self.encoder.forward_eager(pixel_values, specs), specs)
+            return self._split(_moved(self.encoder.forward_eager(pixel_values, specs), output_device), specs)
         self._fill(entry, pixel_values, metadata_or_reason)
         self._execute(entry)
-        out = self._take(entry, tokens)
+        out = self._take(entry, tokens, output_device)
         if self.use_graphs and not bool(torch.isfinite(out.tokens).all()):
             eager = self.encoder.forward_eager(pixel_values, specs)
             if bool(torch.isfinite(eager.tokens).all()):
                 self._disable(entry, "non-finite output at run time")
             self.stats.record_eager("nonfinite", budget, tokens)
-            return self._split(eager, specs)
+            return self._split(_moved(eager, output_device), specs)
         self.stats.record_graph(entry.key[0], tokens)
         return self._split(out, specs)
 
@@ -315,12 +324,12 @@ class EncoderRunner:
         else:
             self._forward_into_outputs(entry)
 
-    def _take(self, entry: GraphEntry, tokens: int) -> EncoderOutput:
-        """The used output rows, copied out of the shared static outputs."""
+    def _take(self, entry: GraphEntry, tokens: int, device: torch.device) -> EncoderOutput:
+        """The used output rows, copied (once) out of the shared static outputs to `device`."""
         deepstack = entry.outputs.get("deepstack")
         return EncoderOutput(
-            tokens=entry.outputs["tokens"][:tokens].clone(),
-            deepstack=None if deepstack is None else deepstack[:, :tokens].clone(),
+            tokens=entry.outputs["tokens"][:tokens].to(device, copy=True),
+            deepstack=None if deepstack is None else deepstack[:, :tokens].to(device, copy=True),
         )
 
     @staticmethod

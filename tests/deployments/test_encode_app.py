@@ -207,3 +207,10 @@ def test_handle_refuses_unsupported_items_with_a_clear_error(url):
     for bad in (12345, "a string", {"type": "video", "frames": [1, 2]}, {"type": "audio"}):
         with pytest.raises(Exception, match=r"items\[0\]: unsupported item"):
             handle.encode.remote([bad]).result()
+
+
+def test_chat_on_a_deployment_without_an_llm_is_404(url, serve_harness):
+    body = {"messages": [{"role": "user", "content": "hello"}]}
+    with serve_harness.http() as client:
+        response = client.post(url + "/v1/chat/completions", json=body)
+    assert response.status_code == 404 and "no LLM" in response.json()["error"]["message"]

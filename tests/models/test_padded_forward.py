@@ -75,19 +75,16 @@ def test_padded_packs_match_transformers_per_item(family_setup):
 
 def test_eager_forward_matches_transformers(family_setup):
     encoder, reference = family_setup
+    pre = encoder.preprocessor
     rng = np.random.default_rng(1)
-    items = [random_item(rng, encoder) for _ in range(6)]
-    for modality in ("image", "video"):
-        chosen = [(r, s) for r, s in items if s.modality == modality] or [
-            (encoder.preprocessor.resize_image(random_image(rng, 90, 300)), None)
-        ]
-        if chosen[0][1] is None:
-            resized = chosen[0][0]
-            chosen = [(resized, encoder.preprocessor.spec("image", 1, *resized.shape[-2:]))]
-        pixels = encoder.preprocessor.pixel_values([r for r, _ in chosen], modality)
-        out = encoder.forward_eager(pixels, [s for _, s in chosen])
+    images = [pre.resize_image(random_image(rng, h, w)) for h, w in [(90, 300), (200, 200), (333, 77)]]
+    videos = [pre.resize_video(random_video(rng, frames, 96, 128)) for frames in (2, 5)]
+    for modality, resized in (("image", images), ("video", videos)):
+        specs = [pre.spec(modality, r.shape[0] if modality == "video" else 1, *r.shape[-2:]) for r in resized]
+        pixels = pre.pixel_values(resized, modality)
+        out = encoder.forward_eager(pixels, specs)
         start = row = 0
-        for _, spec in chosen:
+        for spec in specs:
             expected, _ = reference_item(reference, pixels[row : row + spec.input_patches], spec.grid_thw)
             assert relative_error(out.tokens[start : start + spec.output_tokens], expected) <= TOLERANCE
             start += spec.output_tokens
