@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from encoder_graphs.runner import EncoderRunner, GraphConfig  # noqa: E402
 from encoder_graphs.selfcheck import interleaved_ms, time_ms  # noqa: E402
-from models import attention, from_preset  # noqa: E402
+from models import attention, from_preset, transformers_tower  # noqa: E402
 from models.protocol import ItemSpec  # noqa: E402
 
 CASES = {
@@ -99,10 +99,7 @@ def build_case(encoder, items, rng) -> tuple[str, torch.Tensor, list[ItemSpec]]:
 
 def hf_tower(encoder, preset: str, dtype: torch.dtype):
     """A separate transformers tower with the same weights, run its own way (sdpa)."""
-    tower = from_preset(preset, dtype=dtype, device=encoder.device, seed=0).tower
-    tower.load_state_dict(encoder.tower.state_dict())
-    tower.config._attn_implementation = "sdpa"
-    return tower
+    return transformers_tower(encoder, dtype=dtype)
 
 
 def bench_preset(preset: str, device: torch.device, dtype: torch.dtype, config: GraphConfig, peak: float) -> dict:

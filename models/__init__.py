@@ -10,6 +10,7 @@ from .loading import (
     from_checkpoint,
     from_preset,
     load_preprocessor,
+    transformers_tower,
     vlm_config,
 )
 from .presets import PRESETS, resolve_preset
@@ -32,6 +33,7 @@ __all__ = [
     "VisionEncoder",
     "VisionPreprocessor",
     "family_class",
+    "transformers_tower",
     "from_checkpoint",
     "from_preset",
     "load_preprocessor",

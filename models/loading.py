@@ -7,6 +7,7 @@ Loading is strict: a missing or unexpected key is an error that names it.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from pathlib import Path
@@ -59,6 +60,20 @@ def from_preset(
     torch.manual_seed(seed)
     tower = _build_tower(cls, cls.config_class(**found.vision_config), dtype, device)
     return cls(tower, _preset_preprocessor(found), name=found.name)
+
+
+def transformers_tower(
+    encoder: QwenVisionEncoder, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> torch.nn.Module:
+    """A fresh transformers tower of the encoder's class and config holding its weights, as users
+    run it: untouched modules (the Conv3d patch embedding) and sdpa attention. The independent
+    reference for tests and the "HF" column of the benchmarks."""
+    config = copy.deepcopy(encoder.tower.config)
+    config._attn_implementation = "sdpa"
+    tower = _build_tower(type(encoder), config, dtype or encoder.dtype, device or encoder.device)
+    tower.load_state_dict(encoder.tower.state_dict(), strict=True)
+    tower.config._attn_implementation = "sdpa"
+    return tower.eval().requires_grad_(False)
 
 
 def _preset_preprocessor(preset: Preset) -> VisionPreprocessor:

@@ -1,6 +1,7 @@
 """The Qwen vision-tower adapter shared by Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
 
-The transformers tower runs unchanged: we only precompute what its `forward` would compute
+The transformers tower runs unchanged but for one submodule (the patch embedding's Conv3d
+runs as the identical matmul, see `PatchLinear`): we only precompute what its `forward` would compute
 on the host (`cu_seqlens`, rotary `position_ids`, ...), lay it out in padded fixed-size
 buffers, and pass it in as the keyword arguments transformers' `vision_utils.get_*`
 helpers accept. Each family subclass adds its own metadata (window attention, learned
@@ -21,6 +22,47 @@ from . import attention
 from .layout import cat_rows, pad_rows, padded_cu_seqlens
 from .processing import ResizeRules, VisionPreprocessor
 from .protocol import EncoderOutput, ItemSpec, PackCapacityError, PackLayout, TensorSpec
+
+
+class PatchLinear(torch.nn.Module):
+    """The patch embedding's Conv3d run as the matmul it is.
+
+    The conv's kernel equals its stride and its input is exactly one patch
+    (`[N, C, T, P, P]`), so it is a linear map of the flattened patch. cuDNN runs this
+    Conv3d in bf16 with a generic (non tensor-core) kernel: 365 us for 1024 patches of
+    Qwen3-VL-8B on an H100, where the matmul takes ~10 us. Same parameters, same
+    state-dict keys; output shaped like the conv's (`[N, out, 1, 1, 1]`).
+    """
+
+    def __init__(self, conv: torch.nn.Conv3d):
+        super().__init__()
+        self.weight = conv.weight
+        self.bias = conv.bias
+        self.out_channels = conv.out_channels
+        self.kernel_size = conv.kernel_size
+
+    @staticmethod
+    def applies_to(module: torch.nn.Module) -> bool:
+        return (
+            isinstance(module, torch.nn.Conv3d)
+            and tuple(module.kernel_size) == tuple(module.stride)
+            and tuple(module.padding) == (0, 0, 0)
+            and tuple(module.dilation) == (1, 1, 1)
+            and module.groups == 1
+        )
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        if tuple(patches.shape[2:]) != tuple(self.kernel_size):
+            raise ValueError(f"patches of shape {tuple(patches.shape)} are not single {self.kernel_size} patches")
+        out = torch.nn.functional.linear(patches.flatten(1), self.weight.flatten(1), self.bias)
+        return out.view(-1, self.out_channels, 1, 1, 1)
+
+
+def use_patch_linear(tower: torch.nn.Module) -> None:
+    """Swap the tower's patch-embedding Conv3d for `PatchLinear` (in place; weights shared)."""
+    embed = getattr(tower, "patch_embed", None)
+    if embed is not None and PatchLinear.applies_to(getattr(embed, "proj", None)):
+        embed.proj = PatchLinear(embed.proj)
 
 
 @lru_cache(maxsize=4096)
@@ -47,6 +89,7 @@ class QwenVisionEncoder:
     def __init__(self, tower: torch.nn.Module, preprocessor: VisionPreprocessor, name: str):
         self.name = name
         self.tower = tower.eval().requires_grad_(False)
+        use_patch_linear(self.tower)
         self.tower.config._attn_implementation = attention.register()
         self.preprocessor = preprocessor
         config = tower.config

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import copy
 import io
 
 import numpy as np
 import torch
 from PIL import Image
 
+from models import transformers_tower
+
 FAMILY_TINY = {"qwen2-vl": "qwen2-vl-tiny", "qwen2.5-vl": "qwen2.5-vl-tiny", "qwen3-vl": "qwen3-vl-tiny"}
 
 
 def reference_tower(encoder) -> torch.nn.Module:
     """A copy of the encoder's transformers tower that runs its own way (sdpa, its own metadata)."""
-    tower = copy.deepcopy(encoder.tower)
-    tower.config._attn_implementation = "sdpa"
-    return tower
+    return transformers_tower(encoder)
 
 
 @torch.inference_mode()

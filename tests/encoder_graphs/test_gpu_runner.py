@@ -8,7 +8,7 @@ import torch
 
 from encoder_graphs.memory import GraphMemoryError
 from encoder_graphs.runner import EncoderRunner, GraphConfig
-from models import from_preset
+from models import from_preset, transformers_tower
 from tests.helpers import random_image, random_video, relative_error
 
 pytestmark = pytest.mark.gpu
@@ -27,10 +27,7 @@ def references(encoder):
     """transformers' tower in float32 (the exact reference) and in bf16 sdpa (its own noise level)."""
     towers = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        tower = from_preset(PRESET, dtype=dtype, device="cuda", seed=0).tower
-        tower.load_state_dict(encoder.tower.state_dict())
-        tower.config._attn_implementation = "sdpa"
-        towers[name] = tower
+        towers[name] = transformers_tower(encoder, dtype=dtype)
     return towers
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from models import from_preset
+from models import from_preset, transformers_tower
 from tests.helpers import random_image, random_video, relative_error
 
 pytestmark = pytest.mark.gpu
@@ -50,12 +50,8 @@ def cuda_ms(fn, repeats=5):
 @pytest.mark.parametrize("preset", ["qwen2.5-vl-7b", "qwen3-vl-8b"])
 def test_graph_error_is_within_1_5x_of_transformers_bf16(preset):
     encoder = from_preset(preset, dtype=torch.bfloat16, device="cuda", seed=0)
-    fp32 = from_preset(preset, dtype=torch.float32, device="cuda", seed=0).tower
-    fp32.load_state_dict(encoder.tower.state_dict())
-    fp32.config._attn_implementation = "sdpa"
-    bf16_sdpa = from_preset(preset, dtype=torch.bfloat16, device="cuda", seed=0).tower
-    bf16_sdpa.load_state_dict(encoder.tower.state_dict())
-    bf16_sdpa.config._attn_implementation = "sdpa"
+    fp32 = transformers_tower(encoder, dtype=torch.float32)
+    bf16_sdpa = transformers_tower(encoder, dtype=torch.bfloat16)
 
     rows = TOKEN_BUDGET * encoder.merge_unit
     layout = encoder.pack_layout(TOKEN_BUDGET, MAX_SEQLEN, 64)

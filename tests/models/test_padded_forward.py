@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from models import from_preset
+from models.qwen import PatchLinear
 from tests.helpers import FAMILY_TINY, random_image, random_video, reference_item, reference_tower, relative_error
 
 PACKS_PER_FAMILY = 50
@@ -108,3 +109,19 @@ def test_padding_content_cannot_leak_into_real_rows(family_setup):
     b = encoder.forward_padded(dirty, metadata, layout).tokens[: spec.output_tokens]
     assert torch.isfinite(b).all()
     assert relative_error(b, a) <= 1e-6
+
+
+def test_patch_embedding_runs_as_a_matmul_equal_to_the_conv(family_setup):
+    encoder, reference = family_setup
+    proj = encoder.tower.patch_embed.proj
+    assert isinstance(proj, PatchLinear)
+    assert isinstance(reference.patch_embed.proj, torch.nn.Conv3d)
+    assert set(encoder.tower.state_dict()) == set(reference.state_dict())
+    config = encoder.tower.config
+    patches = torch.randn(37, config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size)
+    expected = reference.patch_embed.proj(patches)
+    got = proj(patches)
+    assert got.shape == expected.shape
+    assert relative_error(got, expected) < 1e-5  # float32 summation order only
+    with pytest.raises(ValueError, match="single"):
+        proj(torch.randn(2, config.in_channels, config.temporal_patch_size, 2 * config.patch_size, config.patch_size))
