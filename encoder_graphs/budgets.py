@@ -65,6 +65,19 @@ def seqlen_buckets(min_seqlen: int, max_seqlen: int, growth: int = 2) -> tuple[i
     return tuple(buckets)
 
 
+def segment_capacity(budget_rows: int, max_seqlen: int, density: int, cap: int) -> int:
+    """Attention segments a graph of `budget_rows` rows and bucket `max_seqlen` holds:
+    `density` per `max_seqlen` of rows (at least `density`), at most `cap`.
+
+    The varlen kernel launches a grid over every segment slot times `max_seqlen / 128` query
+    blocks, so empty slots cost in proportion to slots x max_seqlen. With slots proportional to
+    rows / max_seqlen the empty part of the grid stays proportional to the graph's rows: a lone
+    448x448 image in a 1024-row graph no longer pays for 129 slots of 1024 rows."""
+    if density < 1 or cap < 1:
+        raise BudgetConfigError(f"segment density and capacity must be >= 1, got {density} and {cap}")
+    return min(cap, density * max(1, -(-budget_rows // max_seqlen)))
+
+
 def buckets_for_budget(buckets: Sequence[int], budget_rows: int) -> tuple[int, ...]:
     """The buckets a graph of `budget_rows` input rows can use (no segment exceeds the pack)."""
     usable = [b for b in buckets if b < budget_rows]

@@ -5,8 +5,9 @@ each, and fit a line (activation memory is linear in tokens: varlen attention ke
 quadratic buffers). The graph pool holds about one largest forward's activations (graphs
 share one pool and replay one at a time), so the line's value at the largest budget plus
 the static buffers must fit in the allowed share of free memory, or capture is refused
-with the largest budget that would fit. After capture, the report gives each graph's
-actual increase of reserved memory, the total, and the peak allocation.
+with the largest budget that would fit. After capture, the report gives how much each graph's
+capture grew the pool (the pool's own allocator segments, read from a snapshot), the total,
+and the peak allocation.
 """
 
 from __future__ import annotations
@@ -47,6 +48,20 @@ def measure_peak_bytes(forward: Callable[[], object], device: torch.device) -> i
     return torch.cuda.max_memory_allocated(device) - before
 
 
+def pool_reserved_bytes(pool, device: torch.device) -> int:
+    """Bytes of the allocator segments that belong to one graph memory pool (allocator snapshot).
+
+    Exact for the pool: unlike deltas of `memory_reserved`, it does not count warm-up
+    activations cached outside the pool."""
+    wanted = tuple(pool)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return sum(
+        segment["total_size"]
+        for segment in torch.cuda.memory_snapshot()
+        if segment.get("device") == index and tuple(segment.get("segment_pool_id", ())) == wanted
+    )
+
+
 def fit_memory_model(samples: Sequence[tuple[int, int]]) -> MemoryModel:
     """A line through (tokens, peak bytes) samples (the first and last)."""
     (t0, b0), (t1, b1) = samples[0], samples[-1]
@@ -76,7 +91,7 @@ class MemoryReport:
     static_buffer_bytes: int = 0
     predicted_pool_bytes: int = 0
     graph_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
-    """Increase of reserved memory while capturing each (token_budget, max_seqlen) graph."""
+    """Growth of the shared graph pool while capturing each (token_budget, max_seqlen) graph."""
     peak_allocated_bytes: int = 0
 
     @property

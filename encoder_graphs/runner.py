@@ -32,9 +32,16 @@ from models.protocol import (
     VisionEncoder,
 )
 
-from .budgets import auto_ladder, buckets_for_budget, fitting_budget, seqlen_buckets, validate_ladder
+from .budgets import (
+    auto_ladder,
+    buckets_for_budget,
+    fitting_budget,
+    segment_capacity,
+    seqlen_buckets,
+    validate_ladder,
+)
 from .buffers import StaticBuffers
-from .memory import MemoryReport, check_fits, fit_memory_model, measure_peak_bytes
+from .memory import MemoryReport, check_fits, fit_memory_model, measure_peak_bytes, pool_reserved_bytes
 from .selfcheck import relative_error, synthetic_pixels, synthetic_specs, time_ms
 from .stats import RunnerStats
 
@@ -60,9 +67,14 @@ class GraphConfig:
     max_items_per_pack: int | None = None
     """Most items one pack may hold; must be <= the smallest budget. None: min(64, smallest budget)."""
     max_segments_per_pack: int | None = None
-    """Most attention segments (image frames; a video has one per temporal patch) a graph's
-    buffers hold. None: twice the items per pack. Larger packs run eagerly; keep it tight:
-    unused slots slow the attention kernel."""
+    """Most attention segments (image frames; a video has one per temporal patch) any graph's
+    buffers hold. None: twice the items per pack. Keep it tight: unused slots slow the
+    attention kernel."""
+    segment_density: int = 8
+    """Each graph holds `segment_density` segments per `max_seqlen` of its rows (at least that
+    many, at most `max_segments_per_pack`), so empty slots cost in proportion to rows, not to
+    slots x max_seqlen. A pack with more segments than its graph holds moves up to the next
+    budget whose graph holds it, or runs eagerly."""
     min_seqlen_bucket: int = 256
     """Smallest attention-length bucket, in patches; buckets double from it."""
     cuda_graphs: bool = True
@@ -126,7 +138,11 @@ class EncoderRunner:
         self.capture_seconds = 0.0
         buckets = seqlen_buckets(config.min_seqlen_bucket, self.ladder[-1] * encoder.merge_unit)
         layouts = [
-            encoder.pack_layout(budget, seqlen, self.max_segments)
+            encoder.pack_layout(
+                budget,
+                seqlen,
+                segment_capacity(budget * encoder.merge_unit, seqlen, config.segment_density, self.max_segments),
+            )
             for budget in self.ladder
             for seqlen in buckets_for_budget(buckets, budget * encoder.merge_unit)
         ]
@@ -144,8 +160,19 @@ class EncoderRunner:
             for budget in self.ladder
         }
         self._pool = None
+        self._side = None
         self._forward = self.encoder.forward_padded
         if config.compile and self.device.type == "cuda":
+            import torch._dynamo
+
+            # Each graph's layout (rows, segment slots, max_seqlen) may specialise the compiled
+            # forward; dynamo's default recompile limit (8) would silently leave later graphs
+            # uncompiled.
+            limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.entries) + 8)
+            torch._dynamo.config.recompile_limit = limit
+            torch._dynamo.config.accumulated_recompile_limit = max(
+                torch._dynamo.config.accumulated_recompile_limit, 4 * limit
+            )
             self._forward = torch.compile(self.encoder.forward_padded, dynamic=True)
 
     # ---- layout of the static buffers ----
@@ -160,6 +187,7 @@ class EncoderRunner:
         if self.encoder.num_deepstack:
             shape = (self.encoder.num_deepstack, layout.token_budget, self.encoder.out_hidden)
             out["deepstack"] = TensorSpec(shape, self.encoder.dtype)
+        out["finite"] = TensorSpec((layout.token_budget,), torch.bool)
         return out
 
     # ---- startup ----
@@ -170,13 +198,13 @@ class EncoderRunner:
         if self.use_graphs:
             self._check_memory()
             self._pool = torch.cuda.graph_pool_handle()
+            self._side = torch.cuda.Stream(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             order = sorted(self.entries, reverse=True)
             for index, key in enumerate(order, 1):
-                torch.cuda.empty_cache()  # capture empties the cache too; measure from the same state
-                before = torch.cuda.memory_reserved(self.device)
+                before = pool_reserved_bytes(self._pool, self.device)
                 self._capture_entry(self.entries[key])
-                self.memory.graph_bytes[key] = torch.cuda.memory_reserved(self.device) - before
+                self.memory.graph_bytes[key] = pool_reserved_bytes(self._pool, self.device) - before
                 progress(
                     f"captured graph {index}/{len(order)}: budget {key[0]} tokens, max_seqlen {key[1]} "
                     f"(+{self.memory.graph_bytes[key] / 2**20:.1f} MiB)"
@@ -204,14 +232,19 @@ class EncoderRunner:
         metadata = {name: t for name, t in entry.inputs.items() if name != "pixel_values"}
         out = self._forward(entry.inputs["pixel_values"], metadata, entry.layout)
         entry.outputs["tokens"].copy_(out.tokens)
+        finite = torch.isfinite(out.tokens).all(dim=-1)
         if out.deepstack is not None:
             entry.outputs["deepstack"].copy_(out.deepstack)
+            finite &= torch.isfinite(out.deepstack).all(dim=-1).all(dim=0)
+        # Per-row flags computed inside the graph: the host checks the used rows it copies out
+        # anyway, instead of scanning the outputs again (on the CPU when they go to the host).
+        entry.outputs["finite"].copy_(finite)
 
     def _capture_entry(self, entry: GraphEntry) -> None:
         empty = torch.zeros(0, self.encoder.patch_dim, device=self.device)
         self._fill(entry, empty, self.encoder.pack_metadata([], entry.layout))
         # Warm up outside capture (kernel selection, cuDNN plans, workspaces), then capture.
-        side = torch.cuda.Stream(self.device)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self._forward_into_outputs(entry)
@@ -268,8 +301,8 @@ class EncoderRunner:
             return self._split(_moved(self.encoder.forward_eager(pixel_values, specs), output_device), specs)
         self._fill(entry, pixel_values, metadata_or_reason)
         self._execute(entry)
-        out = self._take(entry, tokens, output_device)
-        if self.use_graphs and not bool(torch.isfinite(out.tokens).all()):
+        out, finite = self._take(entry, tokens, output_device)
+        if self.use_graphs and not bool(finite.all()):
             eager = self.encoder.forward_eager(pixel_values, specs)
             if bool(torch.isfinite(eager.tokens).all()):
                 self._disable(entry, "non-finite output at run time")
@@ -283,16 +316,19 @@ class EncoderRunner:
         if budget is None:
             return None, "oversize"
         longest = max(s.frame_patches for s in specs)
-        candidates = [e for e in self._by_budget[budget] if e.key[1] >= longest and e.enabled]
-        if not candidates:
+        own = [e for e in self._by_budget[budget] if e.key[1] >= longest and e.enabled]
+        if not own:
             return None, "no_graph"
-        if self.use_graphs and candidates[0].replay_ms > self._eager_estimate_ms(candidates[0], tokens):
-            return None, "cost"
-        for entry in candidates:
-            try:
-                return entry, self.encoder.pack_metadata(specs, entry.layout)
-            except PackCapacityError:
-                continue
+        # The pack's own budget first; a pack with more segments than those graphs hold moves up.
+        for larger in self.ladder[self.ladder.index(budget) :]:
+            for entry in (e for e in self._by_budget[larger] if e.key[1] >= longest and e.enabled):
+                try:
+                    metadata = self.encoder.pack_metadata(specs, entry.layout)
+                except PackCapacityError:
+                    continue
+                if self.use_graphs and entry.replay_ms > self._eager_estimate_ms(own[0], tokens):
+                    return None, "cost"
+                return entry, metadata
         return None, "capacity"
 
     def _eager_estimate_ms(self, entry: GraphEntry, tokens: int) -> float:
@@ -324,13 +360,15 @@ class EncoderRunner:
         else:
             self._forward_into_outputs(entry)
 
-    def _take(self, entry: GraphEntry, tokens: int, device: torch.device) -> EncoderOutput:
-        """The used output rows, copied (once) out of the shared static outputs to `device`."""
+    def _take(self, entry: GraphEntry, tokens: int, device: torch.device) -> tuple[EncoderOutput, torch.Tensor]:
+        """The used output rows and their finite flags, copied (once) out of the shared static
+        outputs to `device`."""
         deepstack = entry.outputs.get("deepstack")
-        return EncoderOutput(
+        out = EncoderOutput(
             tokens=entry.outputs["tokens"][:tokens].to(device, copy=True),
             deepstack=None if deepstack is None else deepstack[:, :tokens].to(device, copy=True),
         )
+        return out, entry.outputs["finite"][:tokens].to(device, copy=True)
 
     @staticmethod
     def _split(out: EncoderOutput, specs: Sequence[ItemSpec]) -> list[ItemOutput]:

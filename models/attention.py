@@ -8,6 +8,11 @@ We register our own function under such a name:
   capturable in a CUDA graph with `cu_seqlens` in a static int32 buffer. Every segment,
   padding included, must be <= `max_seqlen` or the result is silently wrong; callers
   guarantee it (see `models/layout.py`).
+- CUDA, equal segments (eager only, from the `dense_segments` hint): the rows are a dense
+  `[count, heads, length, dim]` batch; SDPA with cuDNN first. On an H100 (torch 2.11, cuDNN
+  9.19, Qwen3-VL's 16 x 72 heads) cuDNN runs one 12544-patch image at 388 TFLOP/s where the
+  FlashAttention-2 varlen kernel runs 238 (`benchmarks/results/qwen3_probe.json`). cuDNN's own
+  varlen form could not be captured in a CUDA graph there.
 - CPU: scaled dot-product attention per segment, exact in float32. It reads the segment
   lengths on the host, which is free on CPU (there are no CUDA graphs to break).
 """
@@ -15,12 +20,36 @@ We register our own function under such a name:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ATTN_IMPLEMENTATION = "flash_varlen_encoder"
+DENSE_SEGMENTS = "dense_segments"
+"""Keyword (passed through the tower to attention) carrying a `DenseSegments` hint; set only by
+unpadded eager forwards, never inside a captured graph."""
+
+
+@dataclass(frozen=True, eq=False)
+class DenseSegments:
+    """The rows are `count` segments of `length`, as laid out by exactly this `cu_seqlens` tensor.
+
+    Attention uses the hint only when called with that very tensor, so layers attending over
+    other segments (Qwen2.5-VL's windows) keep the varlen kernel."""
+
+    count: int
+    length: int
+    cu_seqlens: torch.Tensor
+
+    def applies(self, cu_seqlens: torch.Tensor) -> bool:
+        return cu_seqlens is self.cu_seqlens
+
+
+dense_hint_hits = 0
+"""Attention calls that found their `DenseSegments` hint applicable (dense kernel on CUDA;
+CPU keeps exact per-segment SDPA). Lets CPU tests check the hint reaches the right layers."""
 BACKENDS = ("auto", "flash")
 _backend = "auto"
 
@@ -46,6 +75,17 @@ def _varlen_cuda(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None) -> t
         # The default scale; older torch releases (2.11) take no `scale` argument.
         return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale)
+
+
+def _dense_cuda(q, k, v, count: int, length: int, scale: float | None) -> torch.Tensor:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, dim = q.shape[1], q.shape[2]
+    batch = [t.view(count, length, heads, dim).transpose(1, 2) for t in (q, k, v)]
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    with sdpa_kernel(order, set_priority=True):
+        out = F.scaled_dot_product_attention(*batch, scale=scale)
+    return out.transpose(1, 2).reshape(count * length, heads, dim)
 
 
 def _segmented_sdpa(q, k, v, cu_seqlens, scale: float | None) -> torch.Tensor:
@@ -78,7 +118,14 @@ def varlen_attention_forward(
     if cu_seq_lens_q is None or max_length_q is None:
         raise ValueError(f"{ATTN_IMPLEMENTATION} needs cu_seqlens and an integer max_seqlen")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    if q.is_cuda:
+    dense = kwargs.get(DENSE_SEGMENTS)
+    use_dense = dense is not None and dense.applies(cu_seq_lens_q)
+    if use_dense:
+        global dense_hint_hits
+        dense_hint_hits += 1
+    if q.is_cuda and use_dense:
+        out = _dense_cuda(q, k, v, dense.count, dense.length, scaling)
+    elif q.is_cuda:
         out = _varlen_cuda(q, k, v, cu_seq_lens_q, int(max_length_q), scaling)
     else:
         out = _segmented_sdpa(q, k, v, cu_seq_lens_q, scaling)

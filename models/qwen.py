@@ -164,10 +164,20 @@ class QwenVisionEncoder:
         return EncoderOutput(tokens=result.pooler_output)
 
     def forward_padded(
-        self, pixel_values: torch.Tensor, metadata: Mapping[str, torch.Tensor], layout: PackLayout
+        self,
+        pixel_values: torch.Tensor,
+        metadata: Mapping[str, torch.Tensor],
+        layout: PackLayout,
+        dense_segments: bool = False,
     ) -> EncoderOutput:
+        """`dense_segments`: the pack is unpadded and its segments are all `layout.max_seqlen`
+        long (eager only), so attention may run them as a dense batch."""
+        kwargs = self._tower_kwargs(metadata, layout)
+        if dense_segments:
+            hint = attention.DenseSegments(layout.max_segments, layout.max_seqlen, metadata["cu_seqlens"])
+            kwargs[attention.DENSE_SEGMENTS] = hint
         with torch.inference_mode():
-            result = self.tower(pixel_values, grid_thw=None, **self._tower_kwargs(metadata, layout))
+            result = self.tower(pixel_values, grid_thw=None, **kwargs)
         return self._output(result)
 
     def forward_eager(self, pixel_values: torch.Tensor, specs: Sequence[ItemSpec]) -> EncoderOutput:
@@ -176,4 +186,7 @@ class QwenVisionEncoder:
             name: tensor.to(self.device, non_blocking=True)
             for name, tensor in self.pack_metadata(specs, layout).items()
         }
-        return self.forward_padded(pixel_values.to(self.device), metadata, layout)
+        # Equal-length segments (one image, a video's frames, same-size images) are a dense batch:
+        # attention may use a dense kernel, known here on the host without a sync.
+        dense = len({s.frame_patches for s in specs}) == 1
+        return self.forward_padded(pixel_values.to(self.device), metadata, layout, dense)

@@ -11,6 +11,7 @@ from encoder_graphs.budgets import (
     auto_ladder,
     buckets_for_budget,
     fitting_budget,
+    segment_capacity,
     seqlen_buckets,
     validate_ladder,
 )
@@ -65,6 +66,20 @@ def test_seqlen_buckets_cover_every_length(min_seqlen, max_seqlen):
     for rows in (1000, max_seqlen):
         usable = buckets_for_budget(buckets, rows)
         assert usable[-1] == rows and all(b <= rows for b in usable)
+
+
+@given(st.integers(1, 70000), st.integers(1, 70000), st.integers(1, 16), st.integers(1, 512))
+def test_segment_capacity_keeps_empty_slots_proportional_to_rows(rows, max_seqlen, density, cap):
+    slots = segment_capacity(rows, max_seqlen, density, cap)
+    assert 1 <= slots <= cap
+    assert slots == cap or slots >= density  # never below the density, unless capped
+    assert slots == cap or slots * max_seqlen < density * (rows + max_seqlen)  # grid ~ rows, not slots x seqlen
+    assert slots == cap or slots * max_seqlen >= density * rows  # density segments per max_seqlen of rows
+
+
+def test_segment_capacity_rejects_nonpositive():
+    with pytest.raises(BudgetConfigError):
+        segment_capacity(1024, 256, 0, 8)
 
 
 items_strategy = st.lists(

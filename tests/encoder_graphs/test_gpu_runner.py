@@ -8,7 +8,7 @@ import torch
 
 from encoder_graphs.memory import GraphMemoryError
 from encoder_graphs.runner import EncoderRunner, GraphConfig
-from models import from_preset, transformers_tower
+from models import attention, from_preset, transformers_tower
 from tests.helpers import random_image, random_video, relative_error
 
 pytestmark = pytest.mark.gpu
@@ -81,6 +81,19 @@ def test_replayed_packs_match_transformers(encoder, runner, references):
             assert ours <= 1.5 * theirs + 1e-3, (modality, [s.grid_thw for s in specs], ours, theirs)
     assert sum(runner.stats.graph_hits.values()) > hits_before
     assert runner.stats.eager_fallbacks["oversize"] == 1
+
+
+def test_eager_equal_segments_run_dense_attention_and_match_transformers(encoder, references):
+    pre = encoder.preprocessor
+    resized = [pre.resize_image(random_image(np.random.default_rng(3), 300, 500)) for _ in range(3)]
+    specs = [pre.spec("image", 1, *r.shape[-2:]) for r in resized]
+    pixels = pre.pixel_values(resized, "image", device="cuda").to(encoder.dtype)
+    before = attention.dense_hint_hits
+    out = encoder.forward_eager(pixels, specs)
+    assert attention.dense_hint_hits - before == encoder.tower.config.depth
+    outputs = EncoderRunner._split(out, specs)
+    for ours, theirs in item_errors(references, pixels, specs, outputs):
+        assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
 
 
 class Broken:

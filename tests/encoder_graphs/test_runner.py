@@ -125,6 +125,21 @@ def test_self_check_disables_a_broken_budget_and_eager_takes_over(qwen3):
     assert_matches_reference(reference, pixels, specs, outputs)
 
 
+def test_pack_over_its_budgets_segment_capacity_moves_up_a_budget(qwen3):
+    """Graph segment slots scale with rows / max_seqlen; a pack with more segments than its own
+    budget's graphs hold runs in the next budget's graph, correctly."""
+    encoder, reference = qwen3
+    runner = EncoderRunner(encoder, GraphConfig(budgets=(64, 256), max_items_per_pack=16))
+    assert runner.entries[(64, 256)].layout.max_segments < 20 <= runner.entries[(256, 256)].layout.max_segments
+    clip = encoder.preprocessor.resize_video(random_video(np.random.default_rng(5), 40, 32, 32))
+    specs = [encoder.preprocessor.spec("video", 40, *clip.shape[-2:])]  # 20 segments of 4 patches: 20 tokens
+    assert specs[0].output_tokens <= 64 and specs[0].grid_thw[0] == 20
+    pixels = encoder.preprocessor.pixel_values([clip], "video")
+    outputs = runner.run(pixels, specs)
+    assert runner.stats.graph_hits[256] == 1 and not runner.stats.eager_fallbacks
+    assert_matches_reference(reference, pixels, specs, outputs)
+
+
 def test_pack_over_segment_capacity_falls_back(qwen3):
     """A pack with more attention segments than a graph's buffers hold never runs through it."""
     encoder, reference = qwen3

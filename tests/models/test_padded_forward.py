@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from models import from_preset
+from models import attention, from_preset
 from models.qwen import PatchLinear
 from tests.helpers import FAMILY_TINY, random_image, random_video, reference_item, reference_tower, relative_error
 
@@ -125,3 +125,29 @@ def test_patch_embedding_runs_as_a_matmul_equal_to_the_conv(family_setup):
     assert relative_error(got, expected) < 1e-5  # float32 summation order only
     with pytest.raises(ValueError, match="single"):
         proj(torch.randn(2, config.in_channels, config.temporal_patch_size, 2 * config.patch_size, config.patch_size))
+
+
+def test_dense_hint_reaches_exactly_the_full_attention_layers(family_setup):
+    """Equal-length eager packs tell attention it may run a dense batch (cuDNN on CUDA); the hint
+    must reach every full-attention layer and no window-attention layer, and never padded packs."""
+    encoder, reference = family_setup
+    config = encoder.tower.config
+    full_layers = len(getattr(config, "fullatt_block_indexes", range(config.depth)))
+    pre = encoder.preprocessor
+    rng = np.random.default_rng(7)
+    resized = [pre.resize_image(random_image(rng, 100, 140)) for _ in range(3)]
+    specs = [pre.spec("image", 1, *r.shape[-2:]) for r in resized]
+    pixels = pre.pixel_values(resized, "image")
+    before = attention.dense_hint_hits
+    out = encoder.forward_eager(pixels, specs)
+    assert attention.dense_hint_hits - before == full_layers
+    row = token = 0
+    for spec in specs:
+        expected, _ = reference_item(reference, pixels[row : row + spec.input_patches], spec.grid_thw)
+        assert relative_error(out.tokens[token : token + spec.output_tokens], expected) < TOLERANCE
+        row, token = row + spec.input_patches, token + spec.output_tokens
+    mixed = [pre.resize_image(random_image(rng, h, w)) for h, w in ((100, 140), (60, 60))]
+    mixed_specs = [pre.spec("image", 1, *r.shape[-2:]) for r in mixed]
+    before = attention.dense_hint_hits
+    encoder.forward_eager(pre.pixel_values(mixed, "image"), mixed_specs)
+    assert attention.dense_hint_hits == before
