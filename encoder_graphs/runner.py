@@ -48,6 +48,8 @@ from .stats import RunnerStats
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_ITEMS = 64
+MAX_SPLIT = 3
+"""Most graph replays one pack may be split into when that is cheaper than one padded graph."""
 GraphKey = tuple[int, int]
 """(token_budget, max_seqlen)."""
 
@@ -108,6 +110,11 @@ class GraphEntry:
 def _moved(out: EncoderOutput, device: torch.device) -> EncoderOutput:
     deepstack = None if out.deepstack is None else out.deepstack.to(device)
     return EncoderOutput(out.tokens.to(device), deepstack)
+
+
+def _replay_cost(entry: GraphEntry) -> float:
+    """Measured replay ms; 0 when not measured (self-check off): then the graph is trusted."""
+    return 0.0 if math.isnan(entry.replay_ms) else entry.replay_ms
 
 
 def build_ladder(config: GraphConfig, smallest_item_tokens: int) -> tuple[tuple[int, ...], int]:
@@ -295,41 +302,120 @@ class EncoderRunner:
         self.stats.items += len(specs)
         tokens = sum(s.output_tokens for s in specs)
         budget = fitting_budget(self.ladder, tokens)
-        entry, metadata_or_reason = self._select(specs, tokens, budget)
-        if entry is None:
-            self.stats.record_eager(metadata_or_reason, budget, tokens)
+        parts = self._plan(specs, tokens, budget)
+        if isinstance(parts, str):
+            self.stats.record_eager(parts, budget, tokens)
             return self._split(_moved(self.encoder.forward_eager(pixel_values, specs), output_device), specs)
-        self._fill(entry, pixel_values, metadata_or_reason)
+        if len(parts) == 1:
+            _, entry, metadata = parts[0]
+            return self._run_graph(entry, metadata, pixel_values, specs, output_device)
+        self.stats.split_packs += 1
+        offsets = [0]
+        for spec in specs:
+            offsets.append(offsets[-1] + spec.input_patches)
+        results: list[ItemOutput | None] = [None] * len(specs)
+        for indices, entry, metadata in parts:
+            rows = torch.cat([pixel_values[offsets[i] : offsets[i + 1]] for i in indices])
+            outputs = self._run_graph(entry, metadata, rows, [specs[i] for i in indices], output_device)
+            for i, out in zip(indices, outputs):
+                results[i] = out
+        return results
+
+    def _run_graph(
+        self,
+        entry: GraphEntry,
+        metadata: dict[str, torch.Tensor],
+        pixel_values: torch.Tensor,
+        specs: Sequence[ItemSpec],
+        output_device: torch.device,
+    ) -> list[ItemOutput]:
+        tokens = sum(s.output_tokens for s in specs)
+        self._fill(entry, pixel_values, metadata)
         self._execute(entry)
         out, finite = self._take(entry, tokens, output_device)
         if self.use_graphs and not bool(finite.all()):
             eager = self.encoder.forward_eager(pixel_values, specs)
             if bool(torch.isfinite(eager.tokens).all()):
                 self._disable(entry, "non-finite output at run time")
-            self.stats.record_eager("nonfinite", budget, tokens)
+            self.stats.record_eager("nonfinite", entry.key[0], tokens)
             return self._split(_moved(eager, output_device), specs)
         self.stats.record_graph(entry.key[0], tokens)
         return self._split(out, specs)
 
-    def _select(self, specs: Sequence[ItemSpec], tokens: int, budget: int | None):
-        """(entry, the pack's host metadata for it) or (None, the reason to run eagerly)."""
-        if budget is None:
-            return None, "oversize"
+    def _entries(self, budget: int, longest: int):
+        """Enabled graphs of `budget` whose attention bucket holds a `longest`-patch frame, smallest first."""
+        return [e for e in self._by_budget[budget] if e.key[1] >= longest and e.enabled]
+
+    def _place(self, specs: Sequence[ItemSpec], budget: int):
+        """(entry, metadata) of the first graph from `budget` up whose buffers hold the pack, or None.
+        A pack with more segments than its own budget's graphs hold moves up a budget."""
         longest = max(s.frame_patches for s in specs)
-        own = [e for e in self._by_budget[budget] if e.key[1] >= longest and e.enabled]
-        if not own:
-            return None, "no_graph"
-        # The pack's own budget first; a pack with more segments than those graphs hold moves up.
         for larger in self.ladder[self.ladder.index(budget) :]:
-            for entry in (e for e in self._by_budget[larger] if e.key[1] >= longest and e.enabled):
+            for entry in self._entries(larger, longest):
                 try:
-                    metadata = self.encoder.pack_metadata(specs, entry.layout)
+                    return entry, self.encoder.pack_metadata(specs, entry.layout)
                 except PackCapacityError:
                     continue
-                if self.use_graphs and entry.replay_ms > self._eager_estimate_ms(own[0], tokens):
-                    return None, "cost"
-                return entry, metadata
-        return None, "capacity"
+        return None
+
+    def _plan(self, specs: Sequence[ItemSpec], tokens: int, budget: int | None):
+        """How to run a pack, from the costs measured at startup: a list of (item indices, entry,
+        metadata) parts (one graph, or the pack split over smaller graphs), or the reason to run
+        eagerly."""
+        if budget is None:
+            return "oversize"
+        longest = max(s.frame_patches for s in specs)
+        own = self._entries(budget, longest)
+        if not own:
+            return "no_graph"
+        single = self._place(specs, budget)
+        whole = list(range(len(specs)))
+        if not self.use_graphs:  # CPU: no costs to compare; the static buffers run every pack that fits
+            return [(whole, *single)] if single else "capacity"
+        best: str | list = "cost" if single else "capacity"
+        cost = self._eager_estimate_ms(own[0], tokens)
+        if single and _replay_cost(single[0]) < cost:
+            best, cost = [(whole, *single)], _replay_cost(single[0])
+        split = self._split_plan(specs, budget)
+        if split and sum(_replay_cost(self._entries(b, m)[0]) for _, b, m in split) < cost:
+            placed = [self._place([specs[i] for i in indices], b) for indices, b, _ in split]
+            if all(placed):
+                best = [(indices, *where) for (indices, _, _), where in zip(split, placed)]
+        return best
+
+    def _split_plan(self, specs: Sequence[ItemSpec], budget: int) -> list[tuple[list[int], int, int]] | None:
+        """The pack's items first-fit-decreasing into packs of the next smaller budget: [(item
+        indices, fitting budget, longest frame)] when that gives 2..MAX_SPLIT parts, each with a
+        graph, else None. A pack just over a budget otherwise pays for up to 2x padding."""
+        index = self.ladder.index(budget)
+        if index == 0 or len(specs) < 2:
+            return None
+        capacity = self.ladder[index - 1]
+        bins: list[list[int]] = []
+        loads: list[int] = []
+        for i in sorted(range(len(specs)), key=lambda i: -specs[i].output_tokens):
+            tokens = specs[i].output_tokens
+            for b, load in enumerate(loads):
+                if load + tokens <= capacity:
+                    bins[b].append(i)
+                    loads[b] += tokens
+                    break
+            else:
+                if tokens > capacity or len(bins) == MAX_SPLIT:
+                    return None
+                bins.append([i])
+                loads.append(tokens)
+        if len(bins) < 2:
+            return None
+        plan = []
+        for indices, load in zip(bins, loads):
+            indices.sort()
+            longest = max(specs[i].frame_patches for i in indices)
+            part_budget = fitting_budget(self.ladder, load)
+            if not self._entries(part_budget, longest):
+                return None
+            plan.append((indices, part_budget, longest))
+        return plan
 
     def _eager_estimate_ms(self, entry: GraphEntry, tokens: int) -> float:
         """Eager time of a pack of `tokens`, interpolated between full packs measured at startup."""

@@ -44,6 +44,8 @@ class RunnerStats:
     """Graphs disabled by the self-check or at run time."""
     packs: int = 0
     items: int = 0
+    split_packs: int = 0
+    """Packs run as 2+ smaller graphs because that was cheaper than one padded graph."""
 
     last: PackReport | None = None
 
@@ -75,4 +77,5 @@ class RunnerStats:
             "eager_fallbacks": {reason: self.eager_fallbacks[reason] for reason in EAGER_REASONS},
             "padding_waste": round(self.padding_waste, 4),
             "disabled_graphs": self.disabled_graphs,
+            "split_packs": self.split_packs,
         }

@@ -5,10 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from encoder_graphs.budgets import BudgetConfigError
-from encoder_graphs.runner import EncoderRunner, GraphConfig, build_ladder
+from encoder_graphs.budgets import BudgetConfigError, fitting_budget
+from encoder_graphs.runner import MAX_SPLIT, EncoderRunner, GraphConfig, build_ladder
 from models import from_preset
+from models.protocol import ItemSpec
 from tests.helpers import random_image, random_video, reference_item, reference_tower, relative_error
 
 
@@ -171,3 +174,50 @@ def test_ladder_config_errors_name_the_fix(config, message):
         return
     with pytest.raises(BudgetConfigError, match=message):
         build_ladder(config, 64)
+
+
+def runner_with_costs(encoder, replay_ms, eager_ms=1e9):
+    """A CPU runner that plans as a GPU one does, from given per-graph costs (what the startup
+    self-check measures on CUDA); its 'graphs' run through the same static buffers."""
+    runner = EncoderRunner(encoder, GraphConfig(budgets=(64, 128, 256), max_items_per_pack=16))
+    runner.use_graphs = True
+    for (budget, _), entry in runner.entries.items():
+        entry.replay_ms, entry.eager_ms = replay_ms(budget), eager_ms
+    return runner
+
+
+def test_pack_just_over_a_budget_splits_when_smaller_graphs_cost_less(qwen3):
+    encoder, reference = qwen3
+    pixels, specs = make_images(encoder, np.random.default_rng(6), [(256, 256), (256, 320), (256, 256)])
+    assert [s.output_tokens for s in specs] == [64, 80, 64]  # 208 tokens: budget 256, 19% padding
+    runner = runner_with_costs(encoder, lambda budget: budget**2 / 1000)  # 256: 65.5 ms; 2 x 128: 32.8 ms
+    outputs = runner.run(pixels, specs)
+    assert runner.stats.split_packs == 1 and runner.stats.graph_hits == {128: 2}
+    assert_matches_reference(reference, pixels, specs, outputs)  # outputs back in item order
+
+    flat = runner_with_costs(encoder, lambda budget: 1.0)  # one replay costs what two smaller ones cost
+    assert_matches_reference(reference, pixels, specs, flat.run(pixels, specs))
+    assert flat.stats.split_packs == 0 and flat.stats.graph_hits == {256: 1}
+
+    slow = runner_with_costs(encoder, lambda budget: 50.0, eager_ms=10.0)  # eager beats every plan
+    assert_matches_reference(reference, pixels, specs, slow.run(pixels, specs))
+    assert slow.stats.eager_fallbacks["cost"] == 1 and not slow.stats.graph_hits
+
+
+@given(st.lists(st.integers(1, 200), min_size=1, max_size=40))
+@settings(max_examples=200, deadline=None)
+def test_split_plan_places_every_item_once_within_the_smaller_budget(tokens):
+    encoder = from_preset("qwen3-vl-tiny", seed=4)
+    runner = EncoderRunner(encoder, GraphConfig(budgets=(64, 128, 256, 512), max_items_per_pack=64))
+    specs = [ItemSpec("image", (1, 2, 2 * t), 4 * t, t) for t in tokens]
+    budget = fitting_budget(runner.ladder, sum(tokens))
+    plan = runner._split_plan(specs, budget) if budget else None
+    if plan is None:
+        return
+    assert 2 <= len(plan) <= MAX_SPLIT
+    assert sorted(i for indices, _, _ in plan for i in indices) == list(range(len(specs)))
+    smaller = runner.ladder[runner.ladder.index(budget) - 1]
+    for indices, part_budget, longest in plan:
+        load = sum(tokens[i] for i in indices)
+        assert load <= smaller and part_budget == fitting_budget(runner.ladder, load)
+        assert indices == sorted(indices) and longest == max(specs[i].frame_patches for i in indices)
