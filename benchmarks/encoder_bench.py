@@ -200,7 +200,7 @@ def main() -> None:
     parser.add_argument("--max-budget-tokens", type=int, default=8192)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="encoder_bench")
-    parser.add_argument("--attention", default="auto", choices=["auto", "flash"])
+    parser.add_argument("--attention", default="flash", choices=["auto", "flash"])
     parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -83,7 +83,7 @@ def compare_backends() -> list[dict]:
             for backend in ("auto", "flash"):
                 attention.set_backend(backend)
                 timings[backend] = time_ms(lambda: attention._varlen_cuda(q, k, v, offsets, segment, None))
-            attention.set_backend("auto")
+            attention.set_backend("flash")
             reference = torch.nn.functional.scaled_dot_product_attention(
                 *(t[:segment].transpose(0, 1) for t in (q, k, v))
             ).transpose(0, 1)
@@ -101,7 +101,7 @@ def compare_backends() -> list[dict]:
             )
             attention.set_backend("flash")
             flash_out = attention._varlen_cuda(q, k, v, offsets, segment, None)[:segment]
-            attention.set_backend("auto")
+            attention.set_backend("flash")
             assert (flash_out.float() - reference.float()).abs().max() < 2e-2
     return rows
 

@@ -4,8 +4,11 @@ transformers' vision towers take the varlen branch (one kernel over all segments
 `cu_seqlens` and `max_seqlen`) only when `config._attn_implementation` contains "flash".
 We register our own function under such a name:
 
-- CUDA: `torch.nn.attention.varlen.varlen_attn` (FlashAttention-2 / cuDNN). No host sync,
-  capturable in a CUDA graph with `cu_seqlens` in a static int32 buffer. Every segment,
+- CUDA: FlashAttention-2's varlen kernel (`aten._flash_attention_forward`) by default. No
+  host sync, capturable in a CUDA graph with `cu_seqlens` in a static int32 buffer. The
+  "auto" backend calls `varlen_attn` instead, which on torch 2.14+ with cuDNN >= 9.18 on
+  Hopper/Blackwell picks cuDNN's varlen kernel; that kernel could not be captured on torch
+  2.11 (see below), so it is opt-in until it is proven capturable. Every segment,
   padding included, must be <= `max_seqlen` or the result is silently wrong; callers
   guarantee it (see `models/layout.py`).
 - CUDA, equal segments (eager only, from the `dense_segments` hint): the rows are a dense
@@ -51,12 +54,13 @@ dense_hint_hits = 0
 """Attention calls that found their `DenseSegments` hint applicable (dense kernel on CUDA;
 CPU keeps exact per-segment SDPA). Lets CPU tests check the hint reaches the right layers."""
 BACKENDS = ("auto", "flash")
-_backend = "auto"
+_backend = "flash"
 
 
 def set_backend(name: str) -> None:
-    """CUDA kernel for varlen attention: "auto" lets `varlen_attn` pick (cuDNN on Hopper with a
-    recent cuDNN, else FlashAttention-2); "flash" always calls FlashAttention-2 directly."""
+    """CUDA kernel for varlen attention: "flash" (default) always calls FlashAttention-2
+    directly; "auto" lets `varlen_attn` pick (torch 2.14+: cuDNN on Hopper with cuDNN >= 9.18,
+    not proven capturable; torch 2.11: FlashAttention-2, identical to "flash")."""
     global _backend
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is not one of {BACKENDS}")
