@@ -25,20 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from encoder_graphs.budgets import fitting_budget  # noqa: E402
 from encoder_graphs.runner import EncoderRunner, GraphConfig  # noqa: E402
+from encoder_graphs.selfcheck import back_to_back_ms  # noqa: E402
 from models import from_preset  # noqa: E402
 
 HEADS, DIM = 16, 72
-
-
-def cuda_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3 / repeats
 
 
 def graph_ms(fn, repeats: int = 20) -> float:
@@ -51,7 +41,7 @@ def graph_ms(fn, repeats: int = 20) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return cuda_ms(g.replay, repeats)
+    return back_to_back_ms(g.replay, torch.device("cuda"), repeats)
 
 
 def attention_probe() -> list[dict]:
@@ -110,7 +100,7 @@ def attention_probe() -> list[dict]:
                 except Exception as exc:  # noqa: BLE001 - a probe records what does not capture
                     torch.cuda.synchronize()
                     row["capture_error"] = f"{type(exc).__name__}: {exc}"[:300]
-                    row["eager_ms"] = cuda_ms(fn)
+                    row["eager_ms"] = back_to_back_ms(fn, torch.device("cuda"))
                     row["eager_tflops"] = flops / row["eager_ms"] / 1e9
                 rows_out.append(row)
             except Exception as exc:  # noqa: BLE001 - a probe records what does not run

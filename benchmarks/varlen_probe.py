@@ -14,25 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from encoder_graphs.selfcheck import back_to_back_ms  # noqa: E402
 from models import attention  # noqa: E402
 
-
-def time_ms(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3 / repeats
+DEVICE = torch.device("cuda")
 
 
 def main() -> None:
@@ -52,7 +43,7 @@ def main() -> None:
                     continue
                 offsets = torch.full((slots + 1,), rows, dtype=torch.int32, device="cuda")
                 offsets[: real + 1] = torch.arange(0, rows + 1, segment, dtype=torch.int32, device="cuda")
-                ms = time_ms(lambda: varlen_attn(q, k, v, offsets, offsets, max_seqlen, max_seqlen))
+                ms = back_to_back_ms(lambda: varlen_attn(q, k, v, offsets, offsets, max_seqlen, max_seqlen), DEVICE)
                 results.append({"segment": segment, "max_seqlen": max_seqlen, "cu_seqlens_slots": slots, "ms": ms})
                 print(f"segment {segment:5d}  max_seqlen {max_seqlen:6d}  slots {slots:5d}  {ms:.3f} ms")
     out = Path(args.out)
@@ -82,7 +73,9 @@ def compare_backends() -> list[dict]:
             timings = {}
             for backend in ("auto", "flash"):
                 attention.set_backend(backend)
-                timings[backend] = time_ms(lambda: attention._varlen_cuda(q, k, v, offsets, segment, None))
+                timings[backend] = back_to_back_ms(
+                    lambda: attention._varlen_cuda(q, k, v, offsets, segment, None), DEVICE
+                )
             attention.set_backend("flash")
             reference = torch.nn.functional.scaled_dot_product_attention(
                 *(t[:segment].transpose(0, 1) for t in (q, k, v))

@@ -61,6 +61,21 @@ def interleaved_ms(
     return {name: sorted(values)[len(values) // 2] for name, values in samples.items()}
 
 
+def back_to_back_ms(fn: Callable[[], object], device: torch.device, repeats: int = 20, warmup: int = 3) -> float:
+    """Mean wall ms of `fn` called `repeats` times back to back with one sync at the end: the
+    per-call cost of short kernels without a sync in each sample (for kernel probes)."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3 / repeats
+
+
 def time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 3, warmup: int = 1) -> float:
     """Median wall ms of `fn`, synchronized."""
     return interleaved_ms({"fn": fn}, device, repeats, warmup)["fn"]

@@ -72,7 +72,6 @@ def transformers_tower(
     config._attn_implementation = "sdpa"
     tower = _build_tower(type(encoder), config, dtype or encoder.dtype, device or encoder.device)
     tower.load_state_dict(encoder.tower.state_dict(), strict=True)
-    tower.config._attn_implementation = "sdpa"
     return tower.eval().requires_grad_(False)
 
 

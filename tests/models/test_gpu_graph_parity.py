@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from encoder_graphs.selfcheck import back_to_back_ms
 from models import from_preset, transformers_tower
 from tests.helpers import random_image, random_video, relative_error
 
+DEVICE = torch.device("cuda")
 pytestmark = pytest.mark.gpu
 
 TOKEN_BUDGET = 4096
@@ -35,16 +36,6 @@ def packs(encoder, rng):
         "video 16 x 448x448": ("video", [clip], [pre.spec("video", 16, *clip.shape[-2:])]),
         "mixed 896 + 2x448 + 3x300x500": images([(896, 896), (448, 448), (448, 448)] + [(300, 500)] * 3),
     }
-
-
-def cuda_ms(fn, repeats=5):
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3 / repeats
 
 
 @pytest.mark.parametrize("preset", ["qwen2.5-vl-7b", "qwen3-vl-8b"])
@@ -92,8 +83,8 @@ def test_graph_error_is_within_1_5x_of_transformers_bf16(preset):
             token += spec.output_tokens
         grids = torch.tensor([list(s.grid_thw) for s in specs], device="cuda")
         with torch.inference_mode():
-            reference_ms = cuda_ms(lambda: bf16_sdpa(values, grid_thw=grids))
-        replay_ms = cuda_ms(graph.replay)
+            reference_ms = back_to_back_ms(lambda: bf16_sdpa(values, grid_thw=grids), DEVICE, repeats=5, warmup=1)
+        replay_ms = back_to_back_ms(graph.replay, DEVICE, repeats=5, warmup=1)
         results.append(
             {
                 "pack": name,
