@@ -198,6 +198,7 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=["qwen3-vl-8b", "qwen2.5-vl-7b"])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-budget-tokens", type=int, default=8192)
+    parser.add_argument("--budget-growth", type=float, default=GraphConfig.budget_growth)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="encoder_bench")
     parser.add_argument("--attention", default="flash", choices=["auto", "flash"])
@@ -207,7 +208,9 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     peak = measure_peak_tflops(device)
     attention.set_backend(args.attention)
-    config = GraphConfig(max_budget_tokens=args.max_budget_tokens, compile=args.compile)
+    config = GraphConfig(
+        max_budget_tokens=args.max_budget_tokens, budget_growth=args.budget_growth, compile=args.compile
+    )
     import transformers
 
     record = {

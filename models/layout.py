@@ -3,7 +3,9 @@
 Invariants every padded pack keeps (the varlen kernel is silently wrong otherwise):
 - real items occupy rows `[0, used)` in pack order; rows `[used, total)` are padding;
 - padding is split into segments no longer than the layout's `max_seqlen`, so every
-  segment, real or padding, is <= `max_seqlen`;
+  segment, real or padding, is <= `max_seqlen`; it is spread evenly over the free segment
+  slots, since a padding segment of c rows costs attention ~c^2 (one 1024-row chunk costs as
+  much as 32 chunks of 181) while the kernel grid is fixed by the slot count anyway;
 - unused `cu_seqlens` slots repeat the last offset (zero-length trailing segments).
 Padding rows never attend to real rows, so real outputs do not depend on them.
 """
@@ -17,19 +19,25 @@ import torch
 from .protocol import PackCapacityError
 
 
-def padding_chunks(used: int, total: int, chunk: int) -> list[int]:
-    """Lengths that cover `[used, total)` with segments of at most `chunk` rows."""
+def padding_chunks(used: int, total: int, chunk: int, slots: int | None = None) -> list[int]:
+    """Lengths that cover `[used, total)` with segments of at most `chunk` rows: as few as that
+    takes, or (with `slots`) as many nearly equal ones as `slots` allows, never more than rows."""
     if used > total:
         raise PackCapacityError(f"{used} rows do not fit a buffer of {total}")
-    full, rest = divmod(total - used, chunk)
-    return [chunk] * full + ([rest] if rest else [])
+    rows = total - used
+    if rows == 0:
+        return []
+    count = max(-(-rows // chunk), min(slots or 0, rows))
+    size, extra = divmod(rows, count)
+    return [size + 1] * extra + [size] * (count - extra)
 
 
 def padded_cu_seqlens(lengths: Sequence[int], total: int, chunk: int, capacity: int) -> torch.Tensor:
-    """int32 `[capacity + 1]` offsets: `lengths`, then padding chunks up to `total`, then repeats."""
+    """int32 `[capacity + 1]` offsets: `lengths`, then padding segments up to `total` spread over
+    the free slots, then repeats."""
     if lengths and max(lengths) > chunk:
         raise PackCapacityError(f"segment of {max(lengths)} rows exceeds max_seqlen {chunk}")
-    segments = list(lengths) + padding_chunks(sum(lengths), total, chunk)
+    segments = list(lengths) + padding_chunks(sum(lengths), total, chunk, capacity - len(lengths))
     if len(segments) > capacity:
         raise PackCapacityError(f"{len(segments)} attention segments exceed the buffer's {capacity}")
     offsets = torch.zeros(capacity + 1, dtype=torch.int32)

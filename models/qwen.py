@@ -1,7 +1,10 @@
 """The Qwen vision-tower adapter shared by Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
 
-The transformers tower runs unchanged but for one submodule (the patch embedding's Conv3d
-runs as the identical matmul, see `PatchLinear`): we only precompute what its `forward` would compute
+The transformers tower runs unchanged but for a few submodules, each computing the same
+function faster with the same weights and state-dict keys (the patch embedding's Conv3d runs as
+the identical matmul, `PatchLinear`; a tanh-GELU MLP takes its GELU in the matmul epilogue,
+`GeluEpilogueMLP`; a gated MLP runs gate and up as one matmul, `FusedGateUpMLP`): we only
+precompute what its `forward` would compute
 on the host (`cu_seqlens`, rotary `position_ids`, ...), lay it out in padded fixed-size
 buffers, and pass it in as the keyword arguments transformers' `vision_utils.get_*`
 helpers accept. Each family subclass adds its own metadata (window attention, learned
@@ -16,6 +19,7 @@ from functools import lru_cache
 from typing import ClassVar
 
 import torch
+from transformers.activations import GELUTanh
 from transformers.vision_utils import get_vision_position_ids
 
 from . import attention
@@ -58,11 +62,103 @@ class PatchLinear(torch.nn.Module):
         return out.view(-1, self.out_channels, 1, 1, 1)
 
 
+class GeluEpilogueMLP(torch.nn.Module):
+    """`fc2(gelu_tanh(fc1(x)))` with the GELU computed in fc1's cuBLASLt epilogue on CUDA.
+
+    Qwen3-VL's vision MLP (`hidden_act: gelu_pytorch_tanh`) otherwise writes its
+    `[rows, intermediate]` pre-activation, reads it back for the GELU and writes it again:
+    an extra 141 MB of memory traffic per layer at 8192 rows of Qwen3-VL-8B.
+    `torch._addmm_activation(..., use_gelu=True)` is the tanh GELU on CUDA (inductor keeps it as
+    one kernel); the CPU keeps transformers' own modules (there it would be the erf GELU).
+    Same submodules, same state-dict keys.
+    """
+
+    def __init__(self, mlp: torch.nn.Module):
+        super().__init__()
+        self.linear_fc1 = mlp.linear_fc1
+        self.linear_fc2 = mlp.linear_fc2
+        self.act_fn = mlp.act_fn
+
+    @staticmethod
+    def applies_to(module: torch.nn.Module) -> bool:
+        fc1, fc2 = getattr(module, "linear_fc1", None), getattr(module, "linear_fc2", None)
+        act = getattr(module, "act_fn", None)
+        return (
+            isinstance(fc1, torch.nn.Linear)
+            and isinstance(fc2, torch.nn.Linear)
+            and fc1.bias is not None
+            and isinstance(act, GELUTanh)
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        fc1 = self.linear_fc1
+        if hidden.is_cuda and hidden.dim() == 2:
+            inner = torch._addmm_activation(fc1.bias, hidden, fc1.weight.t(), use_gelu=True)
+        else:
+            inner = self.act_fn(fc1(hidden))
+        return self.linear_fc2(inner)
+
+
+class FusedGateUpMLP(torch.nn.Module):
+    """`down(act(gate(x)) * up(x))` with gate and up as one matmul over their stacked weights.
+
+    Qwen2.5-VL's vision MLP as two matmuls plus the gated product ran at ~190-220 TFLOP/s on an
+    H100 (Qwen2.5-VL-7B, 4096-16384 rows, compiled, in a CUDA graph); as one matmul, 300-350
+    (`benchmarks/results/fusion_probe.json`), bit-identical. The stacked weight is the only
+    storage: `gate_proj` and `up_proj` keep their parameters (same state-dict keys) as views of
+    it, so loading a state dict into the tower updates it. Moving the tower with `.to()`
+    afterwards would copy the views apart (results stay right; memory doubles): build the
+    encoder on its device, as the loaders do.
+    """
+
+    def __init__(self, mlp: torch.nn.Module):
+        super().__init__()
+        gate, up = mlp.gate_proj, mlp.up_proj
+        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = gate, up, mlp.down_proj, mlp.act_fn
+        self.split = gate.out_features
+        with torch.no_grad():
+            weight = torch.cat([gate.weight, up.weight])
+            bias = None if gate.bias is None else torch.cat([gate.bias, up.bias])
+        self.register_buffer("gate_up_weight", weight, persistent=False)
+        self.register_buffer("gate_up_bias", bias, persistent=False)
+        gate.weight = torch.nn.Parameter(weight[: self.split], requires_grad=False)
+        up.weight = torch.nn.Parameter(weight[self.split :], requires_grad=False)
+        if bias is not None:
+            gate.bias = torch.nn.Parameter(bias[: self.split], requires_grad=False)
+            up.bias = torch.nn.Parameter(bias[self.split :], requires_grad=False)
+
+    @staticmethod
+    def applies_to(module: torch.nn.Module) -> bool:
+        layers = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+        if not all(isinstance(layer, torch.nn.Linear) for layer in layers):
+            return False
+        gate, up, _ = layers
+        return gate.weight.shape == up.weight.shape and (gate.bias is None) == (up.bias is None)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.nn.functional.linear(hidden, self.gate_up_weight, self.gate_up_bias).split(self.split, -1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
 def use_patch_linear(tower: torch.nn.Module) -> None:
     """Swap the tower's patch-embedding Conv3d for `PatchLinear` (in place; weights shared)."""
     embed = getattr(tower, "patch_embed", None)
     if embed is not None and PatchLinear.applies_to(getattr(embed, "proj", None)):
         embed.proj = PatchLinear(embed.proj)
+
+
+def use_fused_mlps(tower: torch.nn.Module) -> int:
+    """Swap every block's MLP for `GeluEpilogueMLP` (Qwen3-VL) or `FusedGateUpMLP` (Qwen2.5-VL)
+    where it applies (in place; weights shared). Returns how many were swapped."""
+    swapped = 0
+    for block in getattr(tower, "blocks", []):
+        mlp = getattr(block, "mlp", None)
+        for fused in (GeluEpilogueMLP, FusedGateUpMLP):
+            if fused.applies_to(mlp):
+                block.mlp = fused(mlp)
+                swapped += 1
+                break
+    return swapped
 
 
 @lru_cache(maxsize=4096)
@@ -90,6 +186,7 @@ class QwenVisionEncoder:
         self.name = name
         self.tower = tower.eval().requires_grad_(False)
         use_patch_linear(self.tower)
+        use_fused_mlps(self.tower)
         self.tower.config._attn_implementation = attention.register()
         self.preprocessor = preprocessor
         config = tower.config

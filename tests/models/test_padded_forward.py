@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models import attention, from_preset
-from models.qwen import PatchLinear
+from models.qwen import FusedGateUpMLP, GeluEpilogueMLP, PatchLinear
 from tests.helpers import FAMILY_TINY, random_image, random_video, reference_item, reference_tower, relative_error
 
 PACKS_PER_FAMILY = 50
@@ -125,6 +125,37 @@ def test_patch_embedding_runs_as_a_matmul_equal_to_the_conv(family_setup):
     assert relative_error(got, expected) < 1e-5  # float32 summation order only
     with pytest.raises(ValueError, match="single"):
         proj(torch.randn(2, config.in_channels, config.temporal_patch_size, 2 * config.patch_size, config.patch_size))
+
+
+EXPECTED_MLP = {"qwen2-vl": None, "qwen2.5-vl": FusedGateUpMLP, "qwen3-vl": GeluEpilogueMLP}
+
+
+def test_fused_mlps_compute_transformers_mlp_with_the_same_weights(family_setup):
+    """Qwen3-VL's tanh-GELU MLPs take the epilogue module (its CUDA branch is checked against
+    transformers in the GPU parity tests; on CPU it is transformers' MLP), Qwen2.5-VL's gated
+    MLPs the one-matmul module; the state dict is unchanged and loading one reaches the fused
+    weights."""
+    encoder, reference = family_setup
+    expected = EXPECTED_MLP[encoder.family]
+    kinds = {type(block.mlp) for block in encoder.tower.blocks}
+    assert kinds == ({expected} if expected else {type(reference.blocks[0].mlp)})
+    assert set(encoder.tower.state_dict()) == set(reference.state_dict())
+    width = next(m for m in reference.blocks[0].mlp.modules() if isinstance(m, torch.nn.Linear)).in_features
+    hidden = torch.randn(23, width)
+    for mine, theirs in zip(encoder.tower.blocks, reference.blocks):
+        assert relative_error(mine.mlp(hidden), theirs.mlp(hidden)) < 1e-6
+    if expected is FusedGateUpMLP:
+        mlp = encoder.tower.blocks[0].mlp
+        assert mlp.gate_proj.weight.data_ptr() == mlp.gate_up_weight.data_ptr()
+        state = {k: torch.randn_like(v) for k, v in reference.state_dict().items()}
+        encoder.tower.load_state_dict(state, strict=True)
+        reference.load_state_dict(state, strict=True)
+        try:
+            assert relative_error(mlp(hidden), reference.blocks[0].mlp(hidden)) < 1e-6
+        finally:  # the module-scoped fixture's towers are shared with later tests
+            original = from_preset(FAMILY_TINY[encoder.family], seed=1).tower.state_dict()
+            encoder.tower.load_state_dict(original, strict=True)
+            reference.load_state_dict(original, strict=True)
 
 
 def test_dense_hint_reaches_exactly_the_full_attention_layers(family_setup):
