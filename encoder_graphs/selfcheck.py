@@ -43,14 +43,17 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def interleaved_ms(
     paths: dict[str, Callable[[], object]], device: torch.device, repeats: int = 3, warmup: int = 1
 ) -> dict[str, float]:
-    """Median wall ms of each path, synchronized, timed in turns (A, B, A, B, ...) so that drift and
-    background work hit every path alike."""
+    """Median wall ms of each path, synchronized, timed in turns so that drift and background work
+    hit every path alike; the order flips every round (A, B, C, C, B, A, ...) so no path always
+    runs right after the same other one (a GPU that drops its clocks under a long run would
+    otherwise tax whichever path comes next)."""
     for _ in range(warmup):
         for fn in paths.values():
             fn()
     samples: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(repeats):
-        for name, fn in paths.items():
+    order = list(paths.items())
+    for round_ in range(repeats):
+        for name, fn in order if round_ % 2 == 0 else order[::-1]:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()

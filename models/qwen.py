@@ -104,28 +104,45 @@ class FusedGateUpMLP(torch.nn.Module):
 
     Qwen2.5-VL's vision MLP as two matmuls plus the gated product ran at ~190-220 TFLOP/s on an
     H100 (Qwen2.5-VL-7B, 4096-16384 rows, compiled, in a CUDA graph); as one matmul, 300-350
-    (`benchmarks/results/fusion_probe.json`), bit-identical. The stacked weight is the only
-    storage: `gate_proj` and `up_proj` keep their parameters (same state-dict keys) as views of
-    it, so loading a state dict into the tower updates it. Moving the tower with `.to()`
-    afterwards would copy the views apart (results stay right; memory doubles): build the
-    encoder on its device, as the loaders do.
+    (`benchmarks/results/fusion_probe.json`), bit-identical. The stacked `gate_up_proj` is the
+    only storage (no aliased parameters: torch.compile handles those through slow synthetic
+    bases); `state_dict()` still shows, and `load_state_dict()` still takes, transformers'
+    `gate_proj.*` and `up_proj.*` keys.
     """
 
     def __init__(self, mlp: torch.nn.Module):
         super().__init__()
         gate, up = mlp.gate_proj, mlp.up_proj
-        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = gate, up, mlp.down_proj, mlp.act_fn
         self.split = gate.out_features
+        self.gate_up_proj = torch.nn.Linear(
+            gate.in_features,
+            2 * self.split,
+            bias=gate.bias is not None,
+            device=gate.weight.device,
+            dtype=gate.weight.dtype,
+        ).requires_grad_(gate.weight.requires_grad)
         with torch.no_grad():
-            weight = torch.cat([gate.weight, up.weight])
-            bias = None if gate.bias is None else torch.cat([gate.bias, up.bias])
-        self.register_buffer("gate_up_weight", weight, persistent=False)
-        self.register_buffer("gate_up_bias", bias, persistent=False)
-        gate.weight = torch.nn.Parameter(weight[: self.split], requires_grad=False)
-        up.weight = torch.nn.Parameter(weight[self.split :], requires_grad=False)
-        if bias is not None:
-            gate.bias = torch.nn.Parameter(bias[: self.split], requires_grad=False)
-            up.bias = torch.nn.Parameter(bias[self.split :], requires_grad=False)
+            self.gate_up_proj.weight.copy_(torch.cat([gate.weight, up.weight]))
+            if gate.bias is not None:
+                self.gate_up_proj.bias.copy_(torch.cat([gate.bias, up.bias]))
+        self.down_proj, self.act_fn = mlp.down_proj, mlp.act_fn
+        self.register_state_dict_post_hook(self._transformers_keys)
+        self.register_load_state_dict_pre_hook(self._fused_keys)
+
+    @staticmethod
+    def _transformers_keys(module, state_dict, prefix, local_metadata) -> None:
+        for name in ("weight", "bias"):
+            fused = state_dict.pop(f"{prefix}gate_up_proj.{name}", None)
+            if fused is not None:
+                state_dict[f"{prefix}gate_proj.{name}"] = fused[: module.split]
+                state_dict[f"{prefix}up_proj.{name}"] = fused[module.split :]
+
+    @staticmethod
+    def _fused_keys(module, state_dict, prefix, *args) -> None:
+        for name in ("weight", "bias"):
+            gate, up = f"{prefix}gate_proj.{name}", f"{prefix}up_proj.{name}"
+            if gate in state_dict and up in state_dict:
+                state_dict[f"{prefix}gate_up_proj.{name}"] = torch.cat([state_dict.pop(gate), state_dict.pop(up)])
 
     @staticmethod
     def applies_to(module: torch.nn.Module) -> bool:
@@ -136,7 +153,7 @@ class FusedGateUpMLP(torch.nn.Module):
         return gate.weight.shape == up.weight.shape and (gate.bias is None) == (up.bias is None)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = torch.nn.functional.linear(hidden, self.gate_up_weight, self.gate_up_bias).split(self.split, -1)
+        gate, up = self.gate_up_proj(hidden).split(self.split, -1)
         return self.down_proj(self.act_fn(gate) * up)
 
 
@@ -273,7 +290,10 @@ class QwenVisionEncoder:
         if dense_segments:
             hint = attention.DenseSegments(layout.max_segments, layout.max_seqlen, metadata["cu_seqlens"])
             kwargs[attention.DENSE_SEGMENTS] = hint
-        with torch.inference_mode():
+        # no_grad, not inference_mode: torch.compile of views under inference_mode fails in AOT
+        # functionalization on torch 2.11 ("RuntimeError: <weakref ... UntypedStorage>",
+        # pytorch/pytorch#169477, #180823), which broke `compile: true` on the GPU host.
+        with torch.no_grad():
             result = self.tower(pixel_values, grid_thw=None, **kwargs)
         return self._output(result)
 
