@@ -7,8 +7,8 @@
    vs in the matmul epilogue (`GeluEpilogueMLP`); Qwen2.5-VL-7B's gated MLP as two matmuls
    (gate, up) vs one matmul over the concatenated weights.
 2. padding: FlashAttention-2 varlen at Qwen3-VL's 16 x 72 heads on 8 x 784 real rows in an
-   8192-row graph (bucket 1024, 72 slots), padding as two max_seqlen chunks vs spread over the
-   free slots (`models/layout.py`).
+   8192-row graph and 1 x 784 in a 1024-row one (bucket 1024), padding cut into the fewest
+   max_seqlen chunks, over every free slot, or into <= 128-row segments (`models/layout.py`).
 3. graph: Qwen3-VL-8B 8 x 448x448 and a 16-frame 448x448 video replayed in the 2048-token graph
    and in a 1664-token one (a finer ladder), with a kernel-category profile of the 2048 replay.
 """
@@ -109,22 +109,26 @@ def mlp_probe() -> list[dict]:
 
 
 def padding_probe() -> list[dict]:
-    heads, dim, rows, bucket, slots = 16, 72, 8192, 1024, 72
-    q, k, v = (torch.randn(rows, heads, dim, device=CUDA, dtype=BF16) for _ in range(3))
-    lengths = [784] * 8
-    chunked = torch.tensor(
-        [0, *torch.tensor(lengths + [1024, 896]).cumsum(0).tolist()] + [rows] * (slots - 10), dtype=torch.int32
-    )
-    spread = padded_cu_seqlens(lengths, rows, bucket, slots)
+    """FA2 varlen at 16 x 72 heads with the padding rows cut three ways (`models/layout.py`)."""
+    heads, dim, bucket = 16, 72, 1024
+    cases = {"8 x 784 in 8192 rows, 72 slots": ([784] * 8, 8192, 72), "1 x 784 in 1024 rows, 9 slots": ([784], 1024, 9)}
     results = []
-    for name, cu in {"two max_seqlen chunks": chunked, "spread over free slots": spread}.items():
-        cu = cu.to(CUDA)
+    for case, (lengths, rows, slots) in cases.items():
+        q, k, v = (torch.randn(rows, heads, dim, device=CUDA, dtype=BF16) for _ in range(3))
+        layouts = {
+            "fewest max_seqlen chunks": padded_cu_seqlens(lengths, rows, bucket, slots, block=bucket),
+            "every free slot": padded_cu_seqlens(lengths, rows, bucket, slots, block=1),
+            "<= 128-row segments": padded_cu_seqlens(lengths, rows, bucket, slots),
+        }
+        for name, cu in layouts.items():
+            cu = cu.to(CUDA)
 
-        def attend(cu=cu):
-            return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, bucket, bucket, 0.0, False, False)[0]
+            def attend(cu=cu):
+                return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, bucket, bucket, 0.0, False, False)[0]
 
-        results.append({"padding": name, "segments": int((cu[1:] > cu[:-1]).sum()), "ms": graph_ms(attend)})
-        print(results[-1], flush=True)
+            segments = int((cu[1:] > cu[:-1]).sum())
+            results.append({"case": case, "padding": name, "segments": segments, "ms": graph_ms(attend)})
+            print(results[-1], flush=True)
     return results
 
 
@@ -207,7 +211,7 @@ def main() -> None:
             f"| {r['before_tflops']:.0f} -> {r['after_tflops']:.0f} |"
         )
     for r in record["padding"]:
-        print(f"| padding {r['padding']} | {r['segments']} segments | {r['ms']:.3f} ms |")
+        print(f"| {r['case']} | padding: {r['padding']} | {r['segments']} segments | {r['ms']:.3f} ms |")
     for r in record["graph"]["cases"]:
         print(f"| {r['case']} | graph {r['graph']} ({r['rows']} rows) | {r['replay_ms']:.2f} ms |")
     print("profile (2048 graph, 8 x 448):", record["graph"].get("profile_ms_per_replay_2048"))

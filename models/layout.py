@@ -3,9 +3,11 @@
 Invariants every padded pack keeps (the varlen kernel is silently wrong otherwise):
 - real items occupy rows `[0, used)` in pack order; rows `[used, total)` are padding;
 - padding is split into segments no longer than the layout's `max_seqlen`, so every
-  segment, real or padding, is <= `max_seqlen`; it is spread evenly over the free segment
-  slots, since a padding segment of c rows costs attention ~c^2 (one 1024-row chunk costs as
-  much as 32 chunks of 181) while the kernel grid is fixed by the slot count anyway;
+  segment, real or padding, is <= `max_seqlen`; where free segment slots allow, into
+  segments of <= `PADDING_BLOCK` rows: a padding segment of c rows costs attention ~c^2, so
+  one 1024-row chunk costs as much as 64 of 128 rows, and a segment of <= 128 rows is one
+  FlashAttention query block per head, the least a non-empty segment costs (the kernel grid
+  is fixed by the slot count anyway);
 - unused `cu_seqlens` slots repeat the last offset (zero-length trailing segments).
 Padding rows never attend to real rows, so real outputs do not depend on them.
 """
@@ -18,26 +20,32 @@ import torch
 
 from .protocol import PackCapacityError
 
+PADDING_BLOCK = 128
+"""Padding segments are cut to this many rows where slots allow: FlashAttention's query block."""
 
-def padding_chunks(used: int, total: int, chunk: int, slots: int | None = None) -> list[int]:
-    """Lengths that cover `[used, total)` with segments of at most `chunk` rows: as few as that
-    takes, or (with `slots`) as many nearly equal ones as `slots` allows, never more than rows."""
+
+def padding_chunks(used: int, total: int, chunk: int, slots: int = 0, block: int = PADDING_BLOCK) -> list[int]:
+    """Nearly equal lengths that cover `[used, total)`, each <= `chunk` rows: as few as that
+    takes, or more, up to `slots` of them, so that each is <= `block` rows where possible."""
     if used > total:
         raise PackCapacityError(f"{used} rows do not fit a buffer of {total}")
     rows = total - used
     if rows == 0:
         return []
-    count = max(-(-rows // chunk), min(slots or 0, rows))
+    count = max(-(-rows // chunk), min(slots, -(-rows // block)))
     size, extra = divmod(rows, count)
     return [size + 1] * extra + [size] * (count - extra)
 
 
-def padded_cu_seqlens(lengths: Sequence[int], total: int, chunk: int, capacity: int) -> torch.Tensor:
-    """int32 `[capacity + 1]` offsets: `lengths`, then padding segments up to `total` spread over
-    the free slots, then repeats."""
+def padded_cu_seqlens(
+    lengths: Sequence[int], total: int, chunk: int, capacity: int, block: int = PADDING_BLOCK
+) -> torch.Tensor:
+    """int32 `[capacity + 1]` offsets: `lengths`, then padding segments up to `total` (see
+    `padding_chunks`), then repeats."""
     if lengths and max(lengths) > chunk:
         raise PackCapacityError(f"segment of {max(lengths)} rows exceeds max_seqlen {chunk}")
-    segments = list(lengths) + padding_chunks(sum(lengths), total, chunk, capacity - len(lengths))
+    free = capacity - len(lengths)
+    segments = list(lengths) + padding_chunks(sum(lengths), total, chunk, free, block)
     if len(segments) > capacity:
         raise PackCapacityError(f"{len(segments)} attention segments exceed the buffer's {capacity}")
     offsets = torch.zeros(capacity + 1, dtype=torch.int32)

@@ -18,16 +18,17 @@ def packs(draw):
     lengths = draw(st.lists(st.integers(1, chunk), max_size=12))
     total = sum(lengths) + draw(st.integers(0, 400))
     capacity = draw(st.integers(len(lengths), len(lengths) + 80))
-    return lengths, total, chunk, capacity
+    block = draw(st.integers(1, 2 * chunk))
+    return lengths, total, chunk, capacity, block
 
 
 @given(packs())
 def test_padded_offsets_cover_every_row_with_short_segments(pack):
-    lengths, total, chunk, capacity = pack
+    lengths, total, chunk, capacity, block = pack
     pad = total - sum(lengths)
     free = capacity - len(lengths)
     try:
-        offsets = padded_cu_seqlens(lengths, total, chunk, capacity)
+        offsets = padded_cu_seqlens(lengths, total, chunk, capacity, block)
     except PackCapacityError:
         assert -(-pad // chunk) > free  # only when even max_seqlen chunks need more slots
         return
@@ -38,9 +39,12 @@ def test_padded_offsets_cover_every_row_with_short_segments(pack):
     assert segments[: len(lengths)] == lengths
     padding = [s for s in segments[len(lengths) :] if s]
     assert sum(padding) == pad
-    # Spread: as many padding segments as free slots allow (never empty ones), nearly equal.
-    assert len(padding) == (min(free, pad) if pad else 0)
+    # Spread: segments of <= block rows as far as free slots allow, never empty, nearly equal.
+    fewest = -(-pad // chunk)
+    assert len(padding) == (max(fewest, min(free, -(-pad // block))) if pad else 0)
     assert not padding or max(padding) - min(padding) <= 1
+    if pad and free * block >= pad:
+        assert max(padding) <= block
     # Zero-length slots only after the last segment.
     assert segments == [s for s in segments if s] + [0] * segments.count(0)
 
@@ -50,12 +54,16 @@ def test_padding_is_spread_so_its_attention_cost_is_small():
     offsets = padded_cu_seqlens([784] * 8, 8192, 1024, 72)
     segments = [s for s in (offsets[1:] - offsets[:-1]).tolist() if s]
     padding = segments[8:]
-    assert len(padding) == 64 and sum(padding) == 8192 - 8 * 784
-    assert sum(s * s for s in padding) < 0.05 * (1024**2 + 896**2)  # vs two max_seqlen chunks
+    assert len(padding) == 15 and sum(padding) == 8192 - 8 * 784 and max(padding) <= 128
+    assert sum(s * s for s in padding) < 0.15 * (1024**2 + 896**2)  # vs two max_seqlen chunks
+    # One 448x448 image in a 1024-row graph: two padding segments, not eight tiny ones.
+    offsets = padded_cu_seqlens([784], 1024, 1024, 9)
+    assert [s for s in (offsets[1:] - offsets[:-1]).tolist() if s] == [784, 120, 120]
 
 
 def test_padding_chunks_without_slots_uses_fewest_chunks():
     assert padding_chunks(10, 100, 40) == [30, 30, 30]
+    assert padding_chunks(10, 100, 40, slots=10, block=20) == [18] * 5
     assert padding_chunks(100, 100, 40) == []
     with pytest.raises(PackCapacityError, match="do not fit"):
         padding_chunks(101, 100, 40)
