@@ -105,9 +105,10 @@ class FusedGateUpMLP(torch.nn.Module):
     Qwen2.5-VL's vision MLP as two matmuls plus the gated product ran at ~190-220 TFLOP/s on an
     H100 (Qwen2.5-VL-7B, 4096-16384 rows, compiled, in a CUDA graph); as one matmul, 300-350
     (`benchmarks/results/fusion_probe.json`), bit-identical. The stacked `gate_up_proj` is the
-    only storage (no aliased parameters: torch.compile handles those through slow synthetic
-    bases); `state_dict()` still shows, and `load_state_dict()` still takes, transformers'
-    `gate_proj.*` and `up_proj.*` keys.
+    only storage: a first version kept gate and up as views of it, and aliased parameters make
+    torch.compile build synthetic bases (Qwen2.5-VL-7B startup 193 s with them, 150 s without,
+    fresh hosts). `state_dict()` still shows, and `load_state_dict()` still takes,
+    transformers' `gate_proj.*` and `up_proj.*` keys.
     """
 
     def __init__(self, mlp: torch.nn.Module):
@@ -165,8 +166,9 @@ def use_patch_linear(tower: torch.nn.Module) -> None:
 
 
 def use_fused_mlps(tower: torch.nn.Module) -> int:
-    """Swap every block's MLP for `GeluEpilogueMLP` (Qwen3-VL) or `FusedGateUpMLP` (Qwen2.5-VL)
-    where it applies (in place; weights shared). Returns how many were swapped."""
+    """Swap every block's MLP for `GeluEpilogueMLP` (Qwen3-VL; weights shared) or
+    `FusedGateUpMLP` (Qwen2.5-VL; gate and up copied into one stacked weight) where it applies,
+    in place. Returns how many were swapped."""
     swapped = 0
     for block in getattr(tower, "blocks", []):
         mlp = getattr(block, "mlp", None)
