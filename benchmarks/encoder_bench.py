@@ -199,6 +199,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-budget-tokens", type=int, default=8192)
     parser.add_argument("--budget-growth", type=float, default=GraphConfig.budget_growth)
+    parser.add_argument("--segment-density", type=int, default=GraphConfig.segment_density)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="encoder_bench")
     parser.add_argument("--attention", default="flash", choices=["auto", "flash"])
@@ -209,7 +210,10 @@ def main() -> None:
     peak = measure_peak_tflops(device)
     attention.set_backend(args.attention)
     config = GraphConfig(
-        max_budget_tokens=args.max_budget_tokens, budget_growth=args.budget_growth, compile=args.compile
+        max_budget_tokens=args.max_budget_tokens,
+        budget_growth=args.budget_growth,
+        segment_density=args.segment_density,
+        compile=args.compile,
     )
     import transformers
 

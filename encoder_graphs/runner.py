@@ -377,9 +377,12 @@ class EncoderRunner:
         if single and _replay_cost(single[0]) < cost:
             best, cost = [(whole, *single)], _replay_cost(single[0])
         split = self._split_plan(specs, budget)
+        # Cheapest first: the parts' own token budgets bound the split's cost from below...
         if split and sum(_replay_cost(self._entries(b, m)[0]) for _, b, m in split) < cost:
             placed = [self._place([specs[i] for i in indices], b) for indices, b, _ in split]
-            if all(placed):
+            # ...but a part with more segments than its budget's graphs hold moves up a budget:
+            # price the graphs it really lands in.
+            if all(placed) and sum(_replay_cost(entry) for entry, _ in placed) < cost:
                 best = [(indices, *where) for (indices, _, _), where in zip(split, placed)]
         return best
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 from ray import serve
 
@@ -127,6 +128,12 @@ def test_2000_mixed_requests_at_concurrency_64_lose_nothing(serve_harness, refer
     assert rss[-1] - rss[0] < 48, f"router memory grew: {rss}"
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
 def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, reference_outputs):
     url = serve_harness.deploy(
         "configs/local.yaml",
@@ -139,9 +146,17 @@ def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, refe
     handle = serve.get_deployment_handle("EncoderReplica", app_name="faults")
     victim = handle.describe.remote().result()["pid"]
     killed = asyncio.Event()
+    cpu_seen = [cpu_seconds(victim)]
 
     async def kill_midway(index):
-        if index == 100 and not killed.is_set():
+        # From the 100th answer on, kill the victim as soon as it is seen computing (its CPU time
+        # moved since the last answer), so the kill hits packs in flight: a replica caught
+        # between packs retries nothing and the test would prove nothing. Kill anyway by 300.
+        if killed.is_set() or index < 100:
+            return
+        used = cpu_seconds(victim)
+        busy, cpu_seen[0] = used > cpu_seen[0], used
+        if busy or index >= 300:
             os.kill(victim, signal.SIGKILL)
             killed.set()
 

@@ -176,10 +176,10 @@ def test_ladder_config_errors_name_the_fix(config, message):
         build_ladder(config, 64)
 
 
-def runner_with_costs(encoder, replay_ms, eager_ms=1e9):
+def runner_with_costs(encoder, replay_ms, eager_ms=1e9, **config):
     """A CPU runner that plans as a GPU one does, from given per-graph costs (what the startup
     self-check measures on CUDA); its 'graphs' run through the same static buffers."""
-    runner = EncoderRunner(encoder, GraphConfig(budgets=(64, 128, 256), max_items_per_pack=16))
+    runner = EncoderRunner(encoder, GraphConfig(budgets=(64, 128, 256), max_items_per_pack=16, **config))
     runner.use_graphs = True
     for (budget, _), entry in runner.entries.items():
         entry.replay_ms, entry.eager_ms = replay_ms(budget), eager_ms
@@ -202,6 +202,32 @@ def test_pack_just_over_a_budget_splits_when_smaller_graphs_cost_less(qwen3):
     slow = runner_with_costs(encoder, lambda budget: 50.0, eager_ms=10.0)  # eager beats every plan
     assert_matches_reference(reference, pixels, specs, slow.run(pixels, specs))
     assert slow.stats.eager_fallbacks["cost"] == 1 and not slow.stats.graph_hits
+
+
+def test_split_is_costed_on_the_graphs_its_parts_really_use(qwen3):
+    """A split part with more segments than its own budget's graphs hold moves up a budget; the
+    plan must price it there (on the H100 a mixed pack ran 2.5x slower than eager when the split
+    was priced at the smaller graphs' cost)."""
+    encoder, reference = qwen3
+    pre = encoder.preprocessor
+    rng = np.random.default_rng(8)
+    clips = [pre.resize_video(random_video(rng, 16, 64, 64)) for _ in range(6)]
+    specs = [pre.spec("video", 16, *c.shape[-2:]) for c in clips]
+    pixels = pre.pixel_values(clips, "video")
+    assert [(s.output_tokens, s.grid_thw[0]) for s in specs] == [(32, 8)] * 6  # 192 tokens, 48 segments
+    costs = {64: 4.0, 128: 16.4, 256: 65.5}
+    runner = runner_with_costs(encoder, costs.__getitem__, eager_ms=50.0)
+    # The split (4 + 2 videos, budgets 128 + 64 by tokens) only fits the 256 and 128 graphs by
+    # segment slots: it costs 81.9 ms there, not the 20.4 ms of its token budgets.
+    assert runner._split_plan(specs, 256) is not None
+    assert [runner._place(part, budget)[0].key[0] for part, budget in ((specs[:4], 128), (specs[4:], 64))] == [
+        256,
+        128,
+    ]
+    outputs = runner.run(pixels, specs)
+    assert runner.stats.split_packs == 0 and not runner.stats.graph_hits
+    assert sum(runner.stats.eager_fallbacks.values()) == 1
+    assert_matches_reference(reference, pixels, specs, outputs)
 
 
 @given(st.lists(st.integers(1, 200), min_size=1, max_size=40))
