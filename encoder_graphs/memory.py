@@ -1,13 +1,14 @@
 """Graph memory: a check before capture, and a report of what capture actually took.
 
-Before capture we run the eager forward at two small budgets, read the peak allocation of
-each, and fit a line (activation memory is linear in tokens: varlen attention keeps no
-quadratic buffers). The graph pool holds about one largest forward's activations (graphs
-share one pool and replay one at a time), so the line's value at the largest budget plus
-the static buffers must fit in the allowed share of free memory, or capture is refused
-with the largest budget that would fit. After capture, the report gives how much each graph's
-capture grew the pool (the pool's own allocator segments, read from a snapshot), the total,
-and the peak allocation.
+Before capture we run the eager forward at two budgets (the smallest and the middle of the
+ladder, after one unmeasured warm-up forward), read the peak allocation of each, and fit a
+line (activation memory is linear in tokens: varlen attention keeps no quadratic buffers).
+The graph pool holds about one largest forward's activations (graphs share one pool and
+replay one at a time), so the line's value at the largest budget plus the static buffers
+must fit in the allowed share of free memory, or capture is refused with the largest budget
+that would fit. After capture, the report gives how much each graph's capture grew the pool
+(the pool's own allocator segments, read from a snapshot), the total, and the peak
+allocation.
 """
 
 from __future__ import annotations

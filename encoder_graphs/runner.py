@@ -224,12 +224,17 @@ class EncoderRunner:
         return self.memory
 
     def _check_memory(self) -> None:
-        samples = []
-        for budget in self.ladder[:2] if len(self.ladder) > 1 else self.ladder:
+        # One unmeasured forward first: one-time allocations (library workspaces) must not enter
+        # the line. Then two budgets far apart: a line through the two smallest, extrapolated
+        # 128x to the largest, predicted 70 MiB for a 1048 MiB pool in a serving process.
+        def forward_at(budget: int) -> Callable[[], object]:
             specs = synthetic_specs(budget, budget * self.encoder.merge_unit, self.encoder.merge_unit, 1)
             pixels = synthetic_pixels(specs, self.encoder.patch_dim, self.device)
-            samples.append((budget, measure_peak_bytes(lambda: self.encoder.forward_eager(pixels, specs), self.device)))
-        model = fit_memory_model(samples)
+            return lambda: self.encoder.forward_eager(pixels, specs)
+
+        forward_at(self.ladder[0])()
+        sampled = sorted({self.ladder[0], self.ladder[len(self.ladder) // 2]})
+        model = fit_memory_model([(b, measure_peak_bytes(forward_at(b), self.device)) for b in sampled])
         free, _ = torch.cuda.mem_get_info(self.device)
         self.memory.predicted_pool_bytes = check_fits(
             model, self.ladder, self.memory.static_buffer_bytes, free, self.config.memory_fraction

@@ -59,7 +59,9 @@ def test_capture_reports_pool_memory(runner):
     assert summary["graphs"] == len(runner.entries) > len(runner.ladder)  # several max_seqlen buckets per budget
     assert runner.memory.pool_bytes > 0 and runner.memory.peak_allocated_bytes > 0
     assert set(summary["per_budget_mib"]) == set(runner.ladder)
-    assert runner.memory.predicted_pool_bytes > 0
+    # The pre-capture prediction is an estimate, but must be the right size: it decides whether
+    # capture is refused.
+    assert 0.5 <= runner.memory.predicted_pool_bytes / runner.memory.pool_bytes <= 2.0, summary
     assert all(e.enabled and e.replay_ms > 0 for e in runner.entries.values())
 
 
