@@ -27,26 +27,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from encoder_graphs.runner import EncoderRunner, GraphConfig  # noqa: E402
-from encoder_graphs.selfcheck import back_to_back_ms, relative_error  # noqa: E402
+from encoder_graphs.selfcheck import back_to_back_ms, graph_replay_ms, relative_error  # noqa: E402
 from models import from_preset  # noqa: E402
 from models.layout import padded_cu_seqlens  # noqa: E402
 
 CUDA = torch.device("cuda")
 BF16 = torch.bfloat16
-
-
-def graph_ms(fn, repeats: int = 20) -> float:
-    """`fn` captured in a CUDA graph and replayed back to back (launch cost excluded)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return back_to_back_ms(g.replay, CUDA, repeats)
 
 
 def linear(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +77,7 @@ def mlp_probe() -> list[dict]:
             x = torch.randn(rows, width, device=CUDA, dtype=BF16)
             compiled = [torch.compile(f, dynamic=True) for f in (before, after)]
             outs = [f(x) for f in compiled]
-            ms = [graph_ms(lambda f=f: f(x)) for f in compiled]
+            ms = [graph_replay_ms(lambda f=f: f(x)) for f in compiled]
             rows_out.append(
                 {
                     "mlp": name,
@@ -127,7 +113,7 @@ def padding_probe() -> list[dict]:
                 return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, bucket, bucket, 0.0, False, False)[0]
 
             segments = int((cu[1:] > cu[:-1]).sum())
-            results.append({"case": case, "padding": name, "segments": segments, "ms": graph_ms(attend)})
+            results.append({"case": case, "padding": name, "segments": segments, "ms": graph_replay_ms(attend)})
             print(results[-1], flush=True)
     return results
 

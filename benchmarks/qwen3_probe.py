@@ -25,23 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from encoder_graphs.budgets import fitting_budget  # noqa: E402
 from encoder_graphs.runner import EncoderRunner, GraphConfig  # noqa: E402
-from encoder_graphs.selfcheck import back_to_back_ms  # noqa: E402
+from encoder_graphs.selfcheck import back_to_back_ms, graph_replay_ms  # noqa: E402
 from models import from_preset  # noqa: E402
 
 HEADS, DIM = 16, 72
-
-
-def graph_ms(fn, repeats: int = 20) -> float:
-    """Time `fn` captured in a CUDA graph (what the runner does), so launch cost is excluded."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return back_to_back_ms(g.replay, torch.device("cuda"), repeats)
 
 
 def attention_probe() -> list[dict]:
@@ -95,7 +82,7 @@ def attention_probe() -> list[dict]:
                 err = ((out.float() - reference).abs().max() / reference.abs().max()).item()
                 row = {"layout": name, "kernel": label, "err_vs_first": err}
                 try:
-                    row["ms"] = graph_ms(fn)
+                    row["ms"] = graph_replay_ms(fn)
                     row["tflops"] = flops / row["ms"] / 1e9
                 except Exception as exc:  # noqa: BLE001 - a probe records what does not capture
                     torch.cuda.synchronize()

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from encoder_graphs.runner import GraphConfig
+from models import attention
 from models.presets import PRESETS
 
 MiB = 1 << 20
@@ -37,7 +38,9 @@ class ModelSettings(_Strict):
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where encoder replicas run the tower.")
     attention: Literal["auto", "flash"] = Field(
-        "auto", description="CUDA varlen attention kernel: auto (varlen_attn's choice) or flash (FlashAttention-2)."
+        attention.DEFAULT_BACKEND,
+        description="CUDA varlen attention kernel: flash (FlashAttention-2, capturable) or auto (varlen_attn's "
+        "choice: cuDNN on torch 2.14+ with Hopper, not proven capturable in CUDA graphs).",
     )
 
     @model_validator(mode="after")

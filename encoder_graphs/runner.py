@@ -320,7 +320,7 @@ class EncoderRunner:
             offsets.append(offsets[-1] + spec.input_patches)
         results: list[ItemOutput | None] = [None] * len(specs)
         for indices, entry, metadata in parts:
-            rows = torch.cat([pixel_values[offsets[i] : offsets[i + 1]] for i in indices])
+            rows = [pixel_values[offsets[i] : offsets[i + 1]] for i in indices]  # views, copied once by _fill
             outputs = self._run_graph(entry, metadata, rows, [specs[i] for i in indices], output_device)
             for i, out in zip(indices, outputs):
                 results[i] = out
@@ -330,7 +330,7 @@ class EncoderRunner:
         self,
         entry: GraphEntry,
         metadata: dict[str, torch.Tensor],
-        pixel_values: torch.Tensor,
+        pixel_values: torch.Tensor | Sequence[torch.Tensor],
         specs: Sequence[ItemSpec],
         output_device: torch.device,
     ) -> list[ItemOutput]:
@@ -339,6 +339,8 @@ class EncoderRunner:
         self._execute(entry)
         out, finite = self._take(entry, tokens, output_device)
         if self.use_graphs and not bool(finite.all()):
+            if not isinstance(pixel_values, torch.Tensor):
+                pixel_values = torch.cat(list(pixel_values))
             eager = self.encoder.forward_eager(pixel_values, specs)
             if bool(torch.isfinite(eager.tokens).all()):
                 self._disable(entry, "non-finite output at run time")
@@ -373,14 +375,20 @@ class EncoderRunner:
         own = self._entries(budget, longest)
         if not own:
             return "no_graph"
-        single = self._place(specs, budget)
         whole = list(range(len(specs)))
         if not self.use_graphs:  # CPU: no costs to compare; the static buffers run every pack that fits
+            single = self._place(specs, budget)
             return [(whole, *single)] if single else "capacity"
-        best: str | list = "cost" if single else "capacity"
+        best: str | list = "cost"
         cost = self._eager_estimate_ms(own[0], tokens)
-        if single and _replay_cost(single[0]) < cost:
-            best, cost = [(whole, *single)], _replay_cost(single[0])
+        # The budget's smallest graph bounds every single-graph plan from below: no host metadata
+        # is built for a plan that cannot beat eager.
+        if _replay_cost(own[0]) < cost:
+            single = self._place(specs, budget)
+            if single is None:
+                best = "capacity"
+            elif _replay_cost(single[0]) < cost:
+                best, cost = [(whole, *single)], _replay_cost(single[0])
         split = self._split_plan(specs, budget)
         # Cheapest first: the parts' own token budgets bound the split's cost from below...
         if split and sum(_replay_cost(self._entries(b, m)[0]) for _, b, m in split) < cost:
@@ -440,13 +448,22 @@ class EncoderRunner:
         share = (tokens - previous) / (budget - previous)
         return lower[-1].eager_ms + (entry.eager_ms - lower[-1].eager_ms) * share
 
-    def _fill(self, entry: GraphEntry, pixel_values: torch.Tensor, metadata: dict[str, torch.Tensor]) -> None:
-        """Copy a pack into the entry's static inputs; padding rows are zeroed."""
+    def _fill(
+        self,
+        entry: GraphEntry,
+        pixel_values: torch.Tensor | Sequence[torch.Tensor],
+        metadata: dict[str, torch.Tensor],
+    ) -> None:
+        """Copy a pack (its rows, or consecutive blocks of them) into the entry's static inputs;
+        padding rows are zeroed."""
         for name, host in metadata.items():
             entry.inputs[name].copy_(host, non_blocking=True)
         static = entry.inputs["pixel_values"]
-        static[: pixel_values.shape[0]].copy_(pixel_values)
-        static[pixel_values.shape[0] :].zero_()
+        used = 0
+        for block in [pixel_values] if isinstance(pixel_values, torch.Tensor) else pixel_values:
+            static[used : used + block.shape[0]].copy_(block)
+            used += block.shape[0]
+        static[used:].zero_()
 
     def _execute(self, entry: GraphEntry) -> None:
         if entry.graph is not None:

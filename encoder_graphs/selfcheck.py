@@ -79,6 +79,21 @@ def back_to_back_ms(fn: Callable[[], object], device: torch.device, repeats: int
     return (time.perf_counter() - start) * 1e3 / repeats
 
 
+def graph_replay_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 2) -> float:
+    """`fn` captured in one CUDA graph (after `warmup` calls on a side stream) and replayed back to
+    back: its cost as the runner pays it, launch overhead excluded (for kernel probes)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return back_to_back_ms(graph.replay, torch.device("cuda"), repeats)
+
+
 def time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 3, warmup: int = 1) -> float:
     """Median wall ms of `fn`, synchronized."""
     return interleaved_ms({"fn": fn}, device, repeats, warmup)["fn"]

@@ -54,7 +54,8 @@ dense_hint_hits = 0
 """Attention calls that found their `DenseSegments` hint applicable (dense kernel on CUDA;
 CPU keeps exact per-segment SDPA). Lets CPU tests check the hint reaches the right layers."""
 BACKENDS = ("auto", "flash")
-_backend = "flash"
+DEFAULT_BACKEND = "flash"
+_backend = DEFAULT_BACKEND
 
 
 def set_backend(name: str) -> None:

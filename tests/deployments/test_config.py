@@ -1,0 +1,37 @@
+"""The YAML `args` are validated before anything is built: bad values name the field."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from deployments.config import AppConfig
+from models import attention
+
+
+@pytest.mark.parametrize(
+    ("graphs", "field"),
+    [
+        ({"segment_density": 0}, "segment_density"),
+        ({"budget_growth": 1.0}, "budget_growth"),
+        ({"max_budget_tokens": 0}, "max_budget_tokens"),
+        ({"memory_fraction": 1.5}, "memory_fraction"),
+        ({"segment_desnity": 4}, "segment_desnity"),  # a typo is an error, not a silent default
+    ],
+)
+def test_bad_graph_settings_are_refused_naming_the_field(graphs, field):
+    with pytest.raises(ValidationError) as raised:
+        AppConfig.model_validate({"graphs": graphs})
+    assert field in str(raised.value)
+
+
+def test_graph_settings_reach_the_runner_config():
+    config = AppConfig.model_validate({"graphs": {"segment_density": 4, "budget_growth": 1.5}})
+    graph_config = config.graphs.to_config()
+    assert (graph_config.segment_density, graph_config.budget_growth) == (4, 1.5)
+
+
+def test_default_attention_kernel_is_the_library_default():
+    """The service must not pick a different CUDA kernel than models/ does by default (varlen_attn's
+    own choice was not capturable in CUDA graphs on torch 2.11)."""
+    assert AppConfig().model.attention == attention.DEFAULT_BACKEND == "flash"
