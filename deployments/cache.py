@@ -73,8 +73,13 @@ class InflightTable:
         """Requests that found their item already in flight and waited for it instead."""
 
     def join(self, key: bytes) -> asyncio.Future | None:
+        """The in-flight future for `key`, or None when there is none worth waiting for.
+
+        A future that just succeeded is still returned: its done-callbacks (this table's `_forget`
+        and the router's cache `put`) run one loop turn later, and a request served in that turn
+        would otherwise find neither the table entry nor the cache entry and encode again."""
         future = self._futures.get(key)
-        if future is None or future.done():
+        if future is None or (future.done() and (future.cancelled() or future.exception() is not None)):
             return None
         self._waiters[key] += 1
         self.joined += 1

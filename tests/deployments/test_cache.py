@@ -84,3 +84,28 @@ def test_a_finished_items_waiters_never_touch_a_newer_future_of_the_same_content
         assert table.leave(b"x", second)  # C leaves: nobody waits any more
 
     asyncio.run(main())
+
+
+def test_an_item_that_just_finished_is_shared_before_its_callbacks_run():
+    """Between set_result and its done-callbacks (forget, cache put) a request must still find the result.
+
+    This one-loop-turn window let 20 concurrent identical requests encode twice in CI."""
+    import asyncio
+
+    from deployments.cache import InflightTable
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        table = InflightTable()
+        done, failed = loop.create_future(), loop.create_future()
+        table.start(b"ok", done)
+        table.start(b"bad", failed)
+        done.set_result("embedding")
+        failed.set_exception(RuntimeError("replica died"))
+        assert table.join(b"ok") is done  # callbacks not yet run: still shared
+        assert table.join(b"bad") is None  # a failure is not shared: the next request encodes again
+        assert not table.leave(b"ok", done) and table.leave(b"ok", done)  # joiner, then starter leave
+        await asyncio.sleep(0)
+        assert table.join(b"ok") is None  # forgotten once the callbacks ran (the cache has it by then)
+
+    asyncio.run(main())
