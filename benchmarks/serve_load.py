@@ -23,6 +23,7 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -69,9 +70,20 @@ def make_requests(total: int, bad_fraction: float, pool: list[bytes], seed: int 
 USAGE_TAIL = re.compile(rb'"vision_tokens":\s*(\d+)')
 
 
-async def run_load(url: str, requests, concurrency: int, timeout_s: float, keep_every: int = 1) -> list[dict]:
+async def run_load(
+    url: str,
+    requests,
+    concurrency: int,
+    timeout_s: float,
+    keep_every: int = 1,
+    cache: bool = True,
+    on_done: Callable[[int], Awaitable[None]] | None = None,
+) -> list[dict]:
     """Send every request; bodies are kept (parsed) only for every `keep_every`-th request, so the
-    client's own JSON parsing of large embeddings does not bound the measured throughput."""
+    client's own JSON parsing of large embeddings does not bound the measured throughput.
+    `cache=False` opts every request out of the embedding cache (every item really encoded);
+    `on_done(n)` is awaited after the n-th completion (n counts from 1)."""
+    completed = 0
     semaphore = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
@@ -81,11 +93,16 @@ async def run_load(url: str, requests, concurrency: int, timeout_s: float, keep_
             async with semaphore:
                 start = time.perf_counter()
                 try:
-                    response = await client.post(url + "/v1/encode", json={"items": items})
+                    body = {"items": items} if cache else {"items": items, "cache": False}
+                    response = await client.post(url + "/v1/encode", json=body)
                     status, content = response.status_code, response.content
                 except httpx.HTTPError as exc:
                     status, content = -1, json.dumps({"error": {"message": repr(exc)}}).encode()
                 latency = time.perf_counter() - start
+            nonlocal completed
+            completed += 1
+            if on_done is not None:
+                await on_done(completed)
             tokens = USAGE_TAIL.search(content[-200:]) if status == 200 else None
             keep = status != 200 or index % keep_every == 0
             return {
@@ -165,6 +182,23 @@ def summarize(results: list[dict], wall_s: float) -> dict:
     }
 
 
+def rss_summary(samples: list[tuple[int, float]]) -> dict:
+    """Router RSS samples (completions, MB), total growth, and growth per 1,000 requests over
+    each half of the run: a leak keeps its slope, allocator pools filling flatten out."""
+    half = len(samples) // 2
+
+    def slope(part: list[tuple[int, float]]) -> float:
+        (n0, mb0), (n1, mb1) = part[0], part[-1]
+        return (mb1 - mb0) / (n1 - n0) * 1000 if n1 > n0 else float("nan")
+
+    return {
+        "samples": samples,
+        "growth_mb": samples[-1][1] - samples[0][1],
+        "mb_per_1000_first_half": slope(samples[: half + 1]),
+        "mb_per_1000_second_half": slope(samples[half:]),
+    }
+
+
 def deploy(config_path: str) -> tuple[str, dict]:
     import yaml
 
@@ -188,6 +222,8 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=120)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="serve_load")
+    parser.add_argument("--no-cache", action="store_true", help="opt every request out of the embedding cache")
+    parser.add_argument("--rss-every", type=int, default=0, help="sample the router's RSS every n completions")
     args = parser.parse_args()
     if not args.config and not args.url:
         parser.error("give --config or --url")
@@ -197,8 +233,23 @@ def main() -> None:
     requests = make_requests(args.requests, args.bad_fraction, pool)
     start = time.perf_counter()
     keep_every = args.verify_every if args.verify else len(requests) + 1
-    results = asyncio.run(run_load(url, requests, args.concurrency, args.timeout_s, keep_every))
+    rss: list[tuple[int, float]] = []
+
+    def router_rss_mb() -> float:
+        return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["router"]["rss_mb"]
+
+    async def sample_rss(done: int) -> None:
+        if args.rss_every and done % args.rss_every == 0:
+            rss.append((done, await asyncio.to_thread(router_rss_mb)))
+
+    if args.rss_every:
+        rss.append((0, router_rss_mb()))
+    results = asyncio.run(
+        run_load(url, requests, args.concurrency, args.timeout_s, keep_every, not args.no_cache, sample_rss)
+    )
     summary = summarize(results, time.perf_counter() - start)
+    if args.rss_every:
+        summary["router_rss"] = rss_summary(rss + [(len(results), router_rss_mb())])
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
     summary["router"] = model["router"]
     summary["encoder"] = model.get("encoder")

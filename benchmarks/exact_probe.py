@@ -1,0 +1,156 @@
+"""Would large packs reach 50% MFU without padding? Qwen3-VL-8B, one process (GPU).
+
+    python benchmarks/exact_probe.py --out benchmarks/results
+
+Each bench case runs on its exact layout (no padding rows, no padding segments; equal
+segments as a dense batch, so cuDNN attention) three ways:
+- eager: `forward_eager`, the runner's eager route (transformers modules, uncompiled);
+- compiled: the same call through `torch.compile(forward_padded, dynamic=True)`, no graph;
+  the first call's compile time and the dynamo graph count say whether a new shape recompiles;
+- exact graph: that compiled call captured in a CUDA graph for this exact pack, the upper bound
+  of any padded-graph scheme.
+Then a kernel-category profile of the exact 8 x 448x448 graph.
+
+Status (2026-11-22): written and smoke-run on CPU (`--smoke`: tiny preset, no compile, no
+graphs); not yet run on a GPU, so there is no result file yet. The question it answers is in
+`benchmarks/results/README.md` (Qwen3-VL MFU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.encoder_bench import CASES, build_case, measure_peak_tflops, useful_flops  # noqa: E402
+from benchmarks.fusion_probe import categorize  # noqa: E402
+from encoder_graphs.selfcheck import graph_replay_ms, interleaved_ms, relative_error  # noqa: E402
+from models import from_preset  # noqa: E402
+
+CUDA = torch.device("cuda")
+
+
+def graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--preset", default="qwen3-vl-8b")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny preset, no compile/graphs: checks the script")
+    args = parser.parse_args()
+    device = torch.device("cpu") if args.smoke else CUDA
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 256
+    peak = float("nan") if args.smoke else measure_peak_tflops(CUDA)
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    encoder = from_preset("qwen3-vl-tiny" if args.smoke else args.preset, dtype=dtype, device=device, seed=0)
+    compiled = encoder.forward_padded if args.smoke else torch.compile(encoder.forward_padded, dynamic=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for case, items in CASES.items():
+        if case in ("1 x 224x224",):
+            continue
+        _, pixels, specs = build_case(encoder, items, rng)
+        layout = encoder.exact_layout(specs)
+        metadata = {k: v.to(device) for k, v in encoder.pack_metadata(specs, layout).items()}
+        dense = len({s.frame_patches for s in specs}) == 1
+        flops = useful_flops(encoder, specs)
+
+        def run_compiled():
+            return compiled(pixels, metadata, layout, dense)
+
+        with torch.no_grad():
+            graphs_before = graphs_compiled()
+            start = time.perf_counter()
+            out = run_compiled()
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            first_s = time.perf_counter() - start
+            new_graphs = graphs_compiled() - graphs_before
+            eager_out = encoder.forward_eager(pixels, specs)
+            err = relative_error(out.tokens, eager_out.tokens)
+            graph_ms = float("nan") if args.smoke else graph_replay_ms(run_compiled, repeats=10)
+            timings = interleaved_ms(
+                {"eager": lambda: encoder.forward_eager(pixels, specs), "compiled": run_compiled},
+                device,
+                repeats=7,
+                warmup=2,
+            )
+        row = {
+            "case": case,
+            "patches": layout.token_budget * encoder.merge_unit,
+            "dense": dense,
+            "first_call_s": round(first_s, 2),
+            "new_dynamo_graphs": new_graphs,
+            "err_vs_eager": err,
+            "eager_ms": timings["eager"],
+            "compiled_ms": timings["compiled"],
+            "exact_graph_ms": graph_ms,
+            "gflops": flops / 1e9,
+        }
+        for path in ("eager", "compiled", "exact_graph"):
+            row[f"mfu_{path}"] = flops / (row[f"{path}_ms"] * 1e-3) / (peak * 1e12)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    if args.smoke:
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    _, pixels, specs = build_case(encoder, CASES["8 x 448x448"], rng)
+    layout = encoder.exact_layout(specs)
+    metadata = {k: v.to(CUDA) for k, v in encoder.pack_metadata(specs, layout).items()}
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        for _ in range(2):
+            compiled(pixels, metadata, layout, True)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            compiled(pixels, metadata, layout, True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_time_total > 0:
+            name = event.key.lower()
+            key = "attention" if ("sdpa" in name or "fmha" in name or "cudnn" in name) else categorize(event.key)
+            totals[key] = totals.get(key, 0.0) + event.device_time_total / 3 / 1e3
+    record = {
+        "command": " ".join(sys.argv),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        "peak_tflops": peak,
+        "cases": rows,
+        "profile_ms_exact_8x448": dict(sorted(totals.items(), key=lambda kv: -kv[1])),
+        "profile_table": prof.key_averages().table(sort_by="cuda_time_total", row_limit=25),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "exact_probe.json").write_text(json.dumps(record, indent=2, default=str))
+    print(record["profile_table"])
+    print(record["profile_ms_exact_8x448"])
+    print(f"\npeak {peak:.0f} TFLOP/s")
+    print("| case | dense | first call s | new graphs | err | eager ms | compiled ms | exact graph ms | MFU e/c/g |")
+    for r in rows:
+        print(
+            f"| {r['case']} | {r['dense']} | {r['first_call_s']} | {r['new_dynamo_graphs']} | {r['err_vs_eager']:.1e} "
+            f"| {r['eager_ms']:.2f} | {r['compiled_ms']:.2f} | {r['exact_graph_ms']:.2f} "
+            f"| {r['mfu_eager']:.1%} / {r['mfu_compiled']:.1%} / {r['mfu_exact_graph']:.1%} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
