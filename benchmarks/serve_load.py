@@ -40,13 +40,13 @@ BAD_ITEMS = [
 ]
 
 
-def image_pool(count: int, seed: int = 0) -> list[bytes]:
+def image_pool(count: int, seed: int = 0, sizes: list[tuple[int, int]] = SIZES) -> list[bytes]:
     from PIL import Image
 
     rng = np.random.default_rng(seed)
     pool = []
     for i in range(count):
-        width, height = SIZES[i % len(SIZES)]
+        width, height = sizes[i % len(sizes)]
         array = rng.integers(0, 255, (height, width, 3), dtype=np.uint8)
         buffer = io.BytesIO()
         Image.fromarray(array).save(buffer, "PNG")
@@ -56,10 +56,11 @@ def image_pool(count: int, seed: int = 0) -> list[bytes]:
 
 def make_requests(total: int, bad_fraction: float, pool: list[bytes], seed: int = 1) -> list[tuple[bool, list]]:
     rng = np.random.default_rng(seed)
+    encoded = [base64.b64encode(data).decode() for data in pool]  # shared: 20,000 copies would be ~60 GB
     requests = []
     for _ in range(total):
         picks = [int(i) for i in rng.integers(0, len(pool), int(rng.integers(1, 4)))]
-        items = [{"type": "image", "image": base64.b64encode(pool[p]).decode()} for p in picks]
+        items = [{"type": "image", "image": encoded[p]} for p in picks]
         bad = bool(rng.random() < bad_fraction)
         if bad:
             items[int(rng.integers(0, len(items)))] = BAD_ITEMS[int(rng.integers(0, len(BAD_ITEMS)))]
@@ -183,9 +184,12 @@ def summarize(results: list[dict], wall_s: float) -> dict:
 
 
 def rss_summary(samples: list[tuple[int, float]]) -> dict:
-    """Router RSS samples (completions, MB), total growth, and growth per 1,000 requests over
-    each half of the run: a leak keeps its slope, allocator pools filling flatten out."""
-    half = len(samples) // 2
+    """Router RSS samples (completions, MB; the first taken idle, before the load). Growth and
+    growth per 1,000 requests are taken from the first sample under load, over each half of
+    the run: a leak keeps its slope, allocator pools filling flatten out. The idle-to-loaded
+    step is the working set of the requests in flight, reported apart."""
+    idle, loaded = samples[0], samples[1:]
+    half = len(loaded) // 2
 
     def slope(part: list[tuple[int, float]]) -> float:
         (n0, mb0), (n1, mb1) = part[0], part[-1]
@@ -193,9 +197,11 @@ def rss_summary(samples: list[tuple[int, float]]) -> dict:
 
     return {
         "samples": samples,
-        "growth_mb": samples[-1][1] - samples[0][1],
-        "mb_per_1000_first_half": slope(samples[: half + 1]),
-        "mb_per_1000_second_half": slope(samples[half:]),
+        "idle_mb": idle[1],
+        "in_flight_step_mb": loaded[0][1] - idle[1] if loaded else float("nan"),
+        "growth_under_load_mb": loaded[-1][1] - loaded[0][1] if loaded else float("nan"),
+        "mb_per_1000_first_half": slope(loaded[: half + 1]) if loaded else float("nan"),
+        "mb_per_1000_second_half": slope(loaded[half:]) if loaded else float("nan"),
     }
 
 
@@ -223,12 +229,18 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="serve_load")
     parser.add_argument("--no-cache", action="store_true", help="opt every request out of the embedding cache")
+    parser.add_argument(
+        "--sizes",
+        type=lambda text: [tuple(int(v) for v in size.split("x")) for size in text.split(",")],
+        default=SIZES,
+        help="image sizes WxH,WxH,... (default: 224x224 up to 1280x720)",
+    )
     parser.add_argument("--rss-every", type=int, default=0, help="sample the router's RSS every n completions")
     args = parser.parse_args()
     if not args.config and not args.url:
         parser.error("give --config or --url")
     url, model_args = deploy(args.config) if args.config else (args.url, None)
-    pool = image_pool(24)
+    pool = image_pool(24, sizes=args.sizes)
     asyncio.run(run_load(url, make_requests(8, 0.0, pool, seed=99), 8, args.timeout_s))  # warm-up
     requests = make_requests(args.requests, args.bad_fraction, pool)
     start = time.perf_counter()
@@ -236,11 +248,16 @@ def main() -> None:
     rss: list[tuple[int, float]] = []
 
     def router_rss_mb() -> float:
-        return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["router"]["rss_mb"]
+        return httpx.get(url + "/v1/models", timeout=args.timeout_s).json()["data"][0]["router"]["rss_mb"]
 
     async def sample_rss(done: int) -> None:
         if args.rss_every and done % args.rss_every == 0:
-            rss.append((done, await asyncio.to_thread(router_rss_mb)))
+            try:
+                rss.append((done, await asyncio.to_thread(router_rss_mb)))
+            except httpx.HTTPError as exc:  # a missed sample must not end the run
+                print(f"{done} done, RSS sample failed: {exc!r}", flush=True)
+                return
+            print(f"{done} done, router RSS {rss[-1][1]:.1f} MB, {time.perf_counter() - start:.0f} s", flush=True)
 
     if args.rss_every:
         rss.append((0, router_rss_mb()))
@@ -249,7 +266,9 @@ def main() -> None:
     )
     summary = summarize(results, time.perf_counter() - start)
     if args.rss_every:
-        summary["router_rss"] = rss_summary(rss + [(len(results), router_rss_mb())])
+        if rss[-1][0] != len(results):
+            rss.append((len(results), router_rss_mb()))
+        summary["router_rss"] = rss_summary(rss)
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
     summary["router"] = model["router"]
     summary["encoder"] = model.get("encoder")
