@@ -59,7 +59,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
     for case, items in CASES.items():
-        if case in ("1 x 224x224",):
+        if case == "1 x 224x224":  # launch-bound, not a padding question
             continue
         _, pixels, specs = build_case(encoder, items, rng)
         layout = encoder.exact_layout(specs)
