@@ -37,12 +37,13 @@ unpadded eager forwards, never inside a captured graph."""
 
 @dataclass(frozen=True, eq=False)
 class DenseSegments:
-    """The rows are `count` segments of `length`, as laid out by exactly this `cu_seqlens` tensor.
+    """The rows are segments of `length` each, as laid out by exactly this `cu_seqlens` tensor.
 
     Attention uses the hint only when called with that very tensor, so layers attending over
-    other segments (Qwen2.5-VL's windows) keep the varlen kernel."""
+    other segments (Qwen2.5-VL's windows) keep the varlen kernel. The segment count is not
+    carried: it follows from the rows (`rows // length`), so under torch.compile one image and
+    several share a compiled forward (dynamo specialises an int argument equal to 1)."""
 
-    count: int
     length: int
     cu_seqlens: torch.Tensor
 
@@ -82,10 +83,10 @@ def _varlen_cuda(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None) -> t
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale)
 
 
-def _dense_cuda(q, k, v, count: int, length: int, scale: float | None) -> torch.Tensor:
+def _dense_cuda(q, k, v, length: int, scale: float | None) -> torch.Tensor:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    heads, dim = q.shape[1], q.shape[2]
+    count, heads, dim = q.shape[0] // length, q.shape[1], q.shape[2]
     batch = [t.view(count, length, heads, dim).transpose(1, 2) for t in (q, k, v)]
     order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
     with sdpa_kernel(order, set_priority=True):
@@ -125,11 +126,13 @@ def varlen_attention_forward(
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     dense = kwargs.get(DENSE_SEGMENTS)
     use_dense = dense is not None and dense.applies(cu_seq_lens_q)
-    if use_dense:
+    if use_dense and not torch.compiler.is_compiling():
+        # Not counted under torch.compile: dynamo guards on a global int it reads, so each
+        # increment would invalidate the compiled forward and recompile it on the next call.
         global dense_hint_hits
         dense_hint_hits += 1
     if q.is_cuda and use_dense:
-        out = _dense_cuda(q, k, v, dense.count, dense.length, scaling)
+        out = _dense_cuda(q, k, v, dense.length, scaling)
     elif q.is_cuda:
         out = _varlen_cuda(q, k, v, cu_seq_lens_q, int(max_length_q), scaling)
     else:

@@ -8,7 +8,7 @@ or a host tensor computed before replay (from `VisionEncoder.pack_metadata`).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -145,13 +145,26 @@ class VisionEncoder(Protocol):
         ...
 
     def forward_padded(
-        self, pixel_values: torch.Tensor, metadata: Mapping[str, torch.Tensor], layout: PackLayout
+        self,
+        pixel_values: torch.Tensor,
+        metadata: Mapping[str, torch.Tensor],
+        layout: PackLayout,
+        dense_segments: bool = False,
     ) -> EncoderOutput:
         """Static-shape forward over `token_budget * merge_unit` pixel rows. No host sync:
-        safe to capture in one CUDA graph once the metadata lives in static buffers."""
+        safe to capture in one CUDA graph once the metadata lives in static buffers.
+        `dense_segments`: the rows are unpadded segments all `layout.max_seqlen` long, so
+        attention may run them as a dense batch (exact layouts only, never in a graph)."""
         ...
 
-    def forward_eager(self, pixel_values: torch.Tensor, specs: Sequence[ItemSpec]) -> EncoderOutput:
-        """Unpadded forward for any items (used above the largest budget and as the reference
-        the startup self-check compares graphs with)."""
+    def forward_eager(
+        self,
+        pixel_values: torch.Tensor,
+        specs: Sequence[ItemSpec],
+        forward: Callable[..., EncoderOutput] | None = None,
+    ) -> EncoderOutput:
+        """Unpadded forward for any items on their exact layout (used above the largest budget,
+        when measured costs favour it, and as the reference the startup self-check compares
+        graphs with). `forward`: a stand-in for `forward_padded` with its signature (the
+        runner passes its compiled one); default `forward_padded`."""
         ...

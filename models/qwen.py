@@ -14,7 +14,7 @@ lives in one place per family.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from typing import ClassVar
 
@@ -290,7 +290,7 @@ class QwenVisionEncoder:
         long (eager only), so attention may run them as a dense batch."""
         kwargs = self._tower_kwargs(metadata, layout)
         if dense_segments:
-            hint = attention.DenseSegments(layout.max_segments, layout.max_seqlen, metadata["cu_seqlens"])
+            hint = attention.DenseSegments(layout.max_seqlen, metadata["cu_seqlens"])
             kwargs[attention.DENSE_SEGMENTS] = hint
         # no_grad, not inference_mode: torch.compile of views under inference_mode fails in AOT
         # functionalization on torch 2.11 ("RuntimeError: <weakref ... UntypedStorage>",
@@ -299,7 +299,12 @@ class QwenVisionEncoder:
             result = self.tower(pixel_values, grid_thw=None, **kwargs)
         return self._output(result)
 
-    def forward_eager(self, pixel_values: torch.Tensor, specs: Sequence[ItemSpec]) -> EncoderOutput:
+    def forward_eager(
+        self,
+        pixel_values: torch.Tensor,
+        specs: Sequence[ItemSpec],
+        forward: Callable[..., EncoderOutput] | None = None,
+    ) -> EncoderOutput:
         layout = self.exact_layout(specs)
         metadata = {
             name: tensor.to(self.device, non_blocking=True)
@@ -308,4 +313,4 @@ class QwenVisionEncoder:
         # Equal-length segments (one image, a video's frames, same-size images) are a dense batch:
         # attention may use a dense kernel, known here on the host without a sync.
         dense = len({s.frame_patches for s in specs}) == 1
-        return self.forward_padded(pixel_values.to(self.device), metadata, layout, dense)
+        return (forward or self.forward_padded)(pixel_values.to(self.device), metadata, layout, dense)
