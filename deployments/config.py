@@ -78,6 +78,11 @@ class GraphSettings(_Strict):
     self_check: bool = Field(True, description="Check every graph against eager at startup.")
     memory_fraction: float = Field(0.8, gt=0, le=1, description="Share of free GPU memory graphs may use.")
     compile: bool = Field(False, description="torch.compile the forward before capture (slower startup).")
+    compile_exact: bool = Field(
+        True,
+        description="With compile: packs run without a graph use the compiled forward on their exact layout "
+        "(no padding); one more compile at startup.",
+    )
 
     def to_config(self) -> GraphConfig:
         values = self.model_dump()

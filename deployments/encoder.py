@@ -135,7 +135,7 @@ class EncoderReplica:
                 metrics.padded_tokens.inc(report.budget - report.real_tokens)
             metrics.computed_tokens.inc(report.budget)
         else:
-            metrics.eager_fallbacks.inc(tags={"reason": report.eager_reason})
+            metrics.eager_fallbacks.inc(tags={"reason": report.eager_reason, "compiled": str(report.compiled).lower()})
             if report.budget is not None:
                 metrics.graph_misses.inc(tags={"budget": str(report.budget)})
 

@@ -61,7 +61,9 @@ class EncoderMetrics:
             "vlm_encoder_graph_misses", description="Packs that fit a budget but ran eagerly.", tag_keys=("budget",)
         )
         self.eager_fallbacks = Counter(
-            "vlm_encoder_eager_fallbacks", description="Eager runs, by reason.", tag_keys=("reason",)
+            "vlm_encoder_eager_fallbacks",
+            description="Eager runs, by reason, and whether the compiled forward ran them on the exact layout.",
+            tag_keys=("reason", "compiled"),
         )
         self.padded_tokens = Counter("vlm_encoder_padded_tokens", description="Padding tokens computed by graphs.")
         self.computed_tokens = Counter(

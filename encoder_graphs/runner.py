@@ -6,7 +6,11 @@ that holds the pack's longest frame, copies the pack into that graph's static bu
 (padding rows zeroed), replays, and copies the used rows out so the next replay cannot
 overwrite them. It runs eagerly instead when the pack is larger than every budget, when
 no graph fits (or the CPU, where there are no graphs), or when the costs measured at
-startup say eager is faster for a pack of this size.
+startup say eager is faster for a pack of this size. "Eagerly" means on the pack's exact
+layout (no padding rows). With `compile` (and `compile_exact`), a pack whose attention
+segments are all equal (one image, a video, same-size images) runs there through the same
+compiled forward as the graphs, as a dense batch, warmed at startup so that no request pays
+for a compile; its cost is measured apart from uncompiled eager's.
 
 On CPU the same buffers, padding and slicing run through `forward_padded` without graphs,
 so CI covers everything but the capture itself.
@@ -14,6 +18,7 @@ so CI covers everything but the capture itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -90,6 +95,14 @@ class GraphConfig:
     compile: bool = False
     """`torch.compile` the padded forward (dynamic shapes, one compile for every budget)
     before capture. Fuses the tower's elementwise work; costs startup time."""
+    compile_exact: bool = True
+    """With `compile`: packs of equal attention segments that run without a graph (larger
+    than every budget, or cheaper unpadded by the measured costs) run through the compiled
+    forward on their exact layout (dense attention), not the transformers modules. Costs two
+    more compiles at startup (one segment, several); a pack that would still need a compile
+    runs uncompiled and is counted (`recompile_fallbacks`). Packs of unequal segments keep the
+    uncompiled route: compiled on their exact layout they measured slower than eager on an
+    H100 (Qwen3-VL-8B mixed pack: 41.6 ms vs 39.4 ms; `benchmarks/results/README.md`)."""
 
 
 @dataclass
@@ -104,7 +117,20 @@ class GraphEntry:
     enabled: bool = True
     replay_ms: float = math.nan
     eager_ms: float = math.nan
+    """Uncompiled eager forward of the self-check pack (exact layout)."""
+    exact_ms: float = math.nan
+    """Compiled exact-layout forward of the self-check pack's equal items, scaled to its tokens."""
     self_check_error: float = math.nan
+
+
+@contextlib.contextmanager
+def _exact_state():
+    """The global state every compiled exact-layout call runs in, whatever the caller's: dynamo
+    guards on grad mode, so a caller under `inference_mode` (or with grad on) would otherwise
+    miss the compile made at startup. Not inference mode itself: compiling views under it fails
+    on torch 2.11 (see `forward_padded`)."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def _moved(out: EncoderOutput, device: torch.device) -> EncoderOutput:
@@ -169,7 +195,10 @@ class EncoderRunner:
         self._pool = None
         self._side = None
         self._forward = self.encoder.forward_padded
-        if config.compile and self.device.type == "cuda":
+        self._compiled = config.compile and self.device.type == "cuda"
+        self._exact_compiled = False
+        """True once the compiled forward is warmed for exact layouts (`_warm_exact`)."""
+        if self._compiled:
             import torch._dynamo
 
             # Each graph's layout (rows, segment slots, max_seqlen) may specialise the compiled
@@ -217,6 +246,8 @@ class EncoderRunner:
                     f"(+{self.memory.graph_bytes[key] / 2**20:.1f} MiB)"
                 )
             self.memory.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)
+        if self._compiled and self.config.compile_exact:
+            self._warm_exact(progress)
         if self.use_graphs and self.config.self_check:
             self.self_check(progress)
         self.capture_seconds = time.perf_counter() - start
@@ -239,6 +270,58 @@ class EncoderRunner:
         self.memory.predicted_pool_bytes = check_fits(
             model, self.ladder, self.memory.static_buffer_bytes, free, self.config.memory_fraction
         )
+
+    def _warm_exact(self, progress: Callable[[str], None]) -> None:
+        """Compile the forward for exact layouts now, not on a request: equal segments run as a
+        dense batch, which the padded graphs never do. One segment and several are compiled
+        apart (Qwen3-VL's position interpolation specialises one image).
+
+        The packs are a quarter of the largest budget: the exact route serves large packs, and
+        each Triton kernel is autotuned on the shapes of its first run."""
+        start = time.perf_counter()
+        unit = self.encoder.merge_unit
+        merge = math.isqrt(unit)
+        rows = self.ladder[-1] * unit // 4
+
+        def image(height: int, width: int) -> ItemSpec:
+            height, width = max(merge, height // merge * merge), max(merge, width // merge * merge)
+            return ItemSpec("image", (1, height, width), height * width, height * width // unit)
+
+        one, half = math.isqrt(rows), math.isqrt(rows // 2)
+        for specs in ([image(one, one)], [image(half, half)] * 2):
+            pixels = synthetic_pixels(specs, self.encoder.patch_dim, self.device)
+            with _exact_state():
+                self.encoder.forward_eager(pixels.to(self.encoder.dtype), specs, forward=self._forward)
+        torch.cuda.synchronize(self.device)
+        self._exact_compiled = True
+        progress(f"compiled the exact-layout forward in {time.perf_counter() - start:.1f} s")
+
+    def _compiles_exact(self, specs: Sequence[ItemSpec]) -> bool:
+        """Whether the compiled forward runs this pack on its exact layout: equal segments only."""
+        return self._exact_compiled and len({s.frame_patches for s in specs}) == 1
+
+    def _forward_exact(
+        self, pixel_values: torch.Tensor, specs: Sequence[ItemSpec], count: bool = True
+    ) -> tuple[EncoderOutput, bool]:
+        """The pack on its exact layout, and whether the compiled forward ran it. Once warmed, a
+        pack that would need a new compile (seconds, on the request path) runs uncompiled; with
+        `count`, that is counted and logged (warned the first time)."""
+        if not self._compiles_exact(specs):
+            return self.encoder.forward_eager(pixel_values, specs), False
+        try:
+            with _exact_state(), torch.compiler.set_stance("fail_on_recompile"):
+                if pixel_values.is_inference():  # made under the caller's inference_mode
+                    pixel_values = pixel_values.clone()
+                pixel_values = pixel_values.to(self.encoder.dtype)  # another dtype would recompile
+                return self.encoder.forward_eager(pixel_values, specs, forward=self._forward), True
+        except RuntimeError as error:
+            if "fail_on_recompile" not in str(error):
+                raise
+            if count:
+                self.stats.recompile_fallbacks += 1
+                log = logger.warning if self.stats.recompile_fallbacks == 1 else logger.debug
+                log("exact-layout pack of %d items would recompile; ran uncompiled: %s", len(specs), error)
+            return self.encoder.forward_eager(pixel_values, specs), False
 
     def _forward_into_outputs(self, entry: GraphEntry) -> None:
         metadata = {name: t for name, t in entry.inputs.items() if name != "pixel_values"}
@@ -287,8 +370,22 @@ class EncoderRunner:
             if self.use_graphs:
                 entry.replay_ms = time_ms(lambda: self._execute(entry), self.device)
                 entry.eager_ms = time_ms(lambda: self.encoder.forward_eager(pixels, specs), self.device, repeats=2)
+                if self._exact_compiled:
+                    self._measure_exact(entry, pixels, specs)
         enabled = sum(e.enabled for e in self.entries.values())
         progress(f"self-check: {enabled}/{len(self.entries)} graphs enabled")
+
+    def _measure_exact(self, entry: GraphEntry, pixels: torch.Tensor, specs: Sequence[ItemSpec]) -> None:
+        """`entry.exact_ms`: the compiled exact-layout forward of the self-check pack's equal items,
+        scaled to the pack's tokens; left unmeasured (NaN: the route is not offered at this size)
+        where that forward would need a compile. Qwen2.5-VL's compile holds only from ~3420 rows
+        up (inductor's matmul padding guards on the size)."""
+        equal = [s for s in specs if s == specs[0]]
+        rows = sum(s.input_patches for s in equal)
+        _, compiled = self._forward_exact(pixels[:rows], equal, count=False)
+        if compiled:
+            ms = time_ms(lambda: self._forward_exact(pixels[:rows], equal, count=False), self.device, repeats=2)
+            entry.exact_ms = ms * sum(s.output_tokens for s in specs) / sum(s.output_tokens for s in equal)
 
     def _disable(self, entry: GraphEntry, why: str) -> None:
         entry.enabled = False
@@ -309,8 +406,9 @@ class EncoderRunner:
         budget = fitting_budget(self.ladder, tokens)
         parts = self._plan(specs, tokens, budget)
         if isinstance(parts, str):
-            self.stats.record_eager(parts, budget, tokens)
-            return self._split(_moved(self.encoder.forward_eager(pixel_values, specs), output_device), specs)
+            out, compiled = self._forward_exact(pixel_values, specs)
+            self.stats.record_eager(parts, budget, tokens, compiled=compiled)
+            return self._split(_moved(out, output_device), specs)
         if len(parts) == 1:
             _, entry, metadata = parts[0]
             return self._run_graph(entry, metadata, pixel_values, specs, output_device)
@@ -381,6 +479,8 @@ class EncoderRunner:
             return [(whole, *single)] if single else "capacity"
         best: str | list = "cost"
         cost = self._eager_estimate_ms(own[0], tokens)
+        if self._compiles_exact(specs):
+            cost = min(cost, self._eager_estimate_ms(own[0], tokens, "exact_ms"))
         # The budget's smallest graph bounds every single-graph plan from below: no host metadata
         # is built for a plan that cannot beat eager.
         if _replay_cost(own[0]) < cost:
@@ -433,20 +533,26 @@ class EncoderRunner:
             plan.append((indices, part_budget, longest))
         return plan
 
-    def _eager_estimate_ms(self, entry: GraphEntry, tokens: int) -> float:
-        """Eager time of a pack of `tokens`, interpolated between full packs measured at startup."""
+    def _eager_estimate_ms(self, entry: GraphEntry, tokens: int, measured: str = "eager_ms") -> float:
+        """Time of a pack of `tokens` without a graph (`measured`: "eager_ms" uncompiled, "exact_ms"
+        compiled), interpolated between full packs measured at startup."""
         budget, seqlen = entry.key
-        if math.isnan(entry.eager_ms):
+        own = getattr(entry, measured)
+        if math.isnan(own):
             return math.inf  # not measured (self-check off): trust the graph
         index = self.ladder.index(budget)
         if index == 0:
-            return entry.eager_ms
+            return own
         previous = self.ladder[index - 1]
-        lower = [e for e in self._by_budget[previous] if e.key[1] <= seqlen and not math.isnan(e.eager_ms)]
+        lower = [
+            getattr(e, measured)
+            for e in self._by_budget[previous]
+            if e.key[1] <= seqlen and not math.isnan(getattr(e, measured))
+        ]
         if not lower:
-            return entry.eager_ms
+            return own
         share = (tokens - previous) / (budget - previous)
-        return lower[-1].eager_ms + (entry.eager_ms - lower[-1].eager_ms) * share
+        return lower[-1] + (own - lower[-1]) * share
 
     def _fill(
         self,
@@ -498,6 +604,7 @@ class EncoderRunner:
             "max_items_per_pack": self.max_items,
             "max_segments_per_pack": self.max_segments,
             "cuda_graphs": self.use_graphs,
+            "compiled_exact_route": self._exact_compiled,
             "graphs": len(self.entries),
             "graphs_enabled": sum(e.enabled for e in self.entries.values()),
             "capture_seconds": round(self.capture_seconds, 2),

@@ -24,6 +24,8 @@ class PackReport:
     graph: bool
     """True when a graph (or, on CPU, the static buffers) ran it."""
     eager_reason: str | None = None
+    compiled: bool = False
+    """An eager run that went through the compiled forward on the pack's exact layout."""
 
 
 @dataclass
@@ -46,6 +48,10 @@ class RunnerStats:
     items: int = 0
     split_packs: int = 0
     """Packs run as 2+ smaller graphs because that was cheaper than one padded graph."""
+    compiled_exact: int = 0
+    """Eager runs that went through the compiled forward on the pack's exact layout."""
+    recompile_fallbacks: int = 0
+    """Exact-layout packs that would have needed a new compile and ran uncompiled instead."""
 
     last: PackReport | None = None
 
@@ -55,12 +61,13 @@ class RunnerStats:
         self.padded_tokens += budget - real_tokens
         self.last = PackReport(budget, real_tokens, graph=True)
 
-    def record_eager(self, reason: str, budget: int | None, real_tokens: int = 0) -> None:
+    def record_eager(self, reason: str, budget: int | None, real_tokens: int = 0, compiled: bool = False) -> None:
         assert reason in EAGER_REASONS, reason
         self.eager_fallbacks[reason] += 1
+        self.compiled_exact += compiled
         if budget is not None:
             self.graph_misses[budget] += 1
-        self.last = PackReport(budget, real_tokens, graph=False, eager_reason=reason)
+        self.last = PackReport(budget, real_tokens, graph=False, eager_reason=reason, compiled=compiled)
 
     @property
     def padding_waste(self) -> float:
@@ -78,4 +85,6 @@ class RunnerStats:
             "padding_waste": round(self.padding_waste, 4),
             "disabled_graphs": self.disabled_graphs,
             "split_packs": self.split_packs,
+            "compiled_exact": self.compiled_exact,
+            "recompile_fallbacks": self.recompile_fallbacks,
         }

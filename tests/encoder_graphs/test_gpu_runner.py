@@ -147,3 +147,30 @@ def test_ladder_too_big_for_memory_is_refused_before_capture(encoder):
     with pytest.raises(GraphMemoryError, match=r"set max_budget_tokens <= \d+"):
         runner.capture()
     assert not any(e.graph for e in runner.entries.values())
+
+
+def test_compiled_exact_route_serves_unseen_shapes_without_compiling(encoder, references):
+    """`compile`: packs of equal segments without a graph run compiled on their exact layout.
+    After startup, no shape needs a compile: one image (dense attention, one segment) and equal
+    images (dense, several), of sizes never seen, larger than every budget. Unequal images run
+    uncompiled."""
+    from torch._dynamo.utils import counters
+
+    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=256, compile=True))
+    runner.capture()
+    compiled_graphs = counters["stats"]["unique_graphs"]
+    pre = encoder.preprocessor
+    rng = np.random.default_rng(5)
+    for sizes in ([(1000, 900)], [(700, 500)] * 3, [(800, 600), (400, 300), (420, 560)]):
+        resized = [pre.resize_image(random_image(rng, h, w)) for h, w in sizes]
+        specs = [pre.spec("image", 1, *r.shape[-2:]) for r in resized]
+        assert sum(s.output_tokens for s in specs) > runner.ladder[-1]
+        pixels = pre.pixel_values(resized, "image", device="cuda").to(encoder.dtype)
+        with torch.inference_mode():  # as the benchmark calls it; startup compiled without it
+            outputs = runner.run(pixels, specs)
+        assert runner.stats.last.compiled == (len(set(sizes)) == 1), sizes
+        for ours, theirs in item_errors(references, pixels, specs, outputs):
+            assert ours <= 1.5 * theirs + 1e-3, (sizes, ours, theirs)
+    assert runner.stats.compiled_exact == 2 and runner.stats.recompile_fallbacks == 0
+    assert all(e.exact_ms > 0 for e in runner.entries.values())
+    assert counters["stats"]["unique_graphs"] == compiled_graphs

@@ -247,3 +247,41 @@ def test_split_plan_places_every_item_once_within_the_smaller_budget(tokens):
         load = sum(tokens[i] for i in indices)
         assert load <= smaller and part_budget == fitting_budget(runner.ladder, load)
         assert indices == sorted(indices) and longest == max(specs[i].frame_patches for i in indices)
+
+
+def test_exact_route_runs_uncompiled_rather_than_compile_on_a_request(qwen3):
+    """With `compile`, packs of equal segments without a graph run through the compiled forward
+    on their exact layout; a pack that would need a new compile runs uncompiled instead (counted), and once that
+    shape is compiled off the request path, the compiled forward serves it, whatever the caller's
+    grad or inference mode (dynamo guards on grad mode: the GPU benchmark's `inference_mode`
+    once sent every such pack down the uncompiled fallback). Dynamo's guards are
+    the same with the "eager" backend, so this runs on CPU in seconds (the runner itself
+    compiles only on CUDA, with inductor)."""
+    import torch._dynamo
+
+    encoder, reference = qwen3
+    runner = EncoderRunner(encoder, GraphConfig(budgets=(64, 256)))
+    torch._dynamo.reset()
+    runner._forward = torch.compile(encoder.forward_padded, backend="eager", dynamic=True)
+    runner._exact_compiled = True  # as after `_warm_exact`, but this shape was never compiled
+    pixels, specs = make_images(encoder, np.random.default_rng(7), [(500, 500), (500, 500)])
+    assert sum(s.output_tokens for s in specs) > 256  # oversize: the exact route
+
+    outputs = runner.run(pixels, specs)
+    assert runner.stats.recompile_fallbacks == 1 and runner.stats.compiled_exact == 0
+    assert runner.stats.last.eager_reason == "oversize" and not runner.stats.last.compiled
+    assert_matches_reference(reference, pixels, specs, outputs)
+
+    with torch.no_grad():  # compiled off the request path, in the state `_warm_exact` uses
+        encoder.forward_eager(pixels, specs, forward=runner._forward)
+    with torch.inference_mode():  # the caller's grad mode must not miss that compile
+        outputs = runner.run(pixels, specs)
+    assert runner.stats.recompile_fallbacks == 1 and runner.stats.compiled_exact == 1
+    assert runner.stats.last.compiled and runner.stats.snapshot()["compiled_exact"] == 1
+    assert_matches_reference(reference, pixels, specs, outputs)
+
+    pixels, specs = make_images(encoder, np.random.default_rng(8), [(500, 500), (380, 300)])
+    outputs = runner.run(pixels, specs)  # unequal segments: uncompiled, not a fallback
+    assert not runner.stats.last.compiled and runner.stats.recompile_fallbacks == 1
+    assert_matches_reference(reference, pixels, specs, outputs)
+    torch._dynamo.reset()
