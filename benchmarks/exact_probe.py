@@ -11,9 +11,13 @@ segments as a dense batch, so cuDNN attention) three ways:
   of any padded-graph scheme.
 Then a kernel-category profile of the exact 8 x 448x448 graph.
 
-Status (2026-11-22): written and smoke-run on CPU (`--smoke`: tiny preset, no compile, no
-graphs); not yet run on a GPU, so there is no result file yet. The question it answers is in
-`benchmarks/results/README.md` (Qwen3-VL MFU).
+Result (2026-11-22, H100): `benchmarks/results/exact_probe.json`, summarised in
+`benchmarks/results/README.md`. It led to the runner's exact route (`compile_exact`). Its first
+GPU run failed: `dense_hint_hits` was counted inside the compiled forward, so every call
+recompiled (now not counted while compiling). The saved run came before one later change:
+the dense hint then carried the segment count (one image and several were two compiles;
+the count now follows from the rows). Rows also record `exact_graph_error` when capture fails, and the recompile reasons
+go to stderr.
 """
 
 from __future__ import annotations
@@ -51,14 +55,24 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cpu") if args.smoke else CUDA
     torch._dynamo.config.recompile_limit = 64
+    if not args.smoke:
+        torch._logging.set_logs(recompiles=True, graph_breaks=True)  # why a case compiles again
     torch._dynamo.config.accumulated_recompile_limit = 256
     peak = float("nan") if args.smoke else measure_peak_tflops(CUDA)
     dtype = torch.float32 if args.smoke else torch.bfloat16
     encoder = from_preset("qwen3-vl-tiny" if args.smoke else args.preset, dtype=dtype, device=device, seed=0)
     compiled = encoder.forward_padded if args.smoke else torch.compile(encoder.forward_padded, dynamic=True)
     rng = np.random.default_rng(0)
+    out_dir = Path(args.out)
     rows = []
-    for case, items in CASES.items():
+    # Two shapes no case above has, run last: once warm, does a fresh shape recompile?
+    unseen = {
+        "unseen 7 x 448x448": [("image", 448, 448)] * 7,
+        "unseen mixed 672 + 3x448 + 5x336": [("image", 672, 672)]
+        + [("image", 448, 448)] * 3
+        + [("image", 336, 336)] * 5,
+    }
+    for case, items in {**CASES, **unseen}.items():
         if case == "1 x 224x224":  # launch-bound, not a padding question
             continue
         _, pixels, specs = build_case(encoder, items, rng)
@@ -79,7 +93,14 @@ def main() -> None:
             new_graphs = graphs_compiled() - graphs_before
             eager_out = encoder.forward_eager(pixels, specs)
             err = relative_error(out.tokens, eager_out.tokens)
-            graph_ms = float("nan") if args.smoke else graph_replay_ms(run_compiled, repeats=10)
+            graph_ms, graph_error = float("nan"), None
+            if not args.smoke:
+                try:  # a recompile inside capture fails the capture: record it, go on
+                    with torch.compiler.set_stance("fail_on_recompile"):
+                        graph_ms = graph_replay_ms(run_compiled, repeats=10)
+                except Exception as exc:  # noqa: BLE001
+                    graph_error = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    torch.cuda.synchronize()
             timings = interleaved_ms(
                 {"eager": lambda: encoder.forward_eager(pixels, specs), "compiled": run_compiled},
                 device,
@@ -96,12 +117,16 @@ def main() -> None:
             "eager_ms": timings["eager"],
             "compiled_ms": timings["compiled"],
             "exact_graph_ms": graph_ms,
+            "exact_graph_error": graph_error,
             "gflops": flops / 1e9,
         }
         for path in ("eager", "compiled", "exact_graph"):
             row[f"mfu_{path}"] = flops / (row[f"{path}_ms"] * 1e-3) / (peak * 1e12)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if not args.smoke:  # partial results survive a time limit
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "exact_probe.json").write_text(json.dumps({"partial": True, "cases": rows}, indent=2))
 
     if args.smoke:
         return
@@ -137,9 +162,7 @@ def main() -> None:
         "profile_ms_exact_8x448": dict(sorted(totals.items(), key=lambda kv: -kv[1])),
         "profile_table": prof.key_averages().table(sort_by="cuda_time_total", row_limit=25),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "exact_probe.json").write_text(json.dumps(record, indent=2, default=str))
+    (out_dir / "exact_probe.json").write_text(json.dumps(record, indent=2, default=str))
     print(record["profile_table"])
     print(record["profile_ms_exact_8x448"])
     print(f"\npeak {peak:.0f} TFLOP/s")
