@@ -30,9 +30,11 @@ def free_port() -> int:
 
 
 class ServeHarness:
-    def __init__(self, num_cpus: int | None = 4):
+    def __init__(self, num_cpus: int | None = 4, deploy_timeout_s: float = 180):
         """`num_cpus`: logical CPUs of the local cluster (tests use 4 with `num_cpus: 0` replicas;
-        None lets Ray count the machine's cores, as on a GPU host)."""
+        None lets Ray count the machine's cores, as on a GPU host). `deploy_timeout_s`: how long
+        `deploy` waits for the application to run (a compiled GPU replica's startup is minutes)."""
+        self.deploy_timeout_s = deploy_timeout_s
         self.metrics_port = free_port()
         if not ray.is_initialized():
             ray.init(
@@ -75,7 +77,7 @@ class ServeHarness:
                 applications=list(self.apps.values()), http_options=self.http_options, proxy_location="HeadOnly"
             )
             self.client.deploy_apps(deploy, _blocking=False)
-        self.wait_running(schema.name)
+        self.wait_running(schema.name, self.deploy_timeout_s)
         return self.base_url + (schema.route_prefix.rstrip("/") if schema.route_prefix != "/" else "")
 
     def wait_running(self, name: str, timeout_s: float = 180) -> None:
