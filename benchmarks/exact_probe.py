@@ -12,12 +12,12 @@ segments as a dense batch, so cuDNN attention) three ways:
 Then a kernel-category profile of the exact 8 x 448x448 graph.
 
 Result (2026-11-22, H100): `benchmarks/results/exact_probe.json`, summarised in
-`benchmarks/results/README.md`. It led to the runner's exact route (`compile_exact`). Its first
-GPU run failed: `dense_hint_hits` was counted inside the compiled forward, so every call
-recompiled (now not counted while compiling). The saved run came before one later change:
-the dense hint then carried the segment count (one image and several were two compiles;
-the count now follows from the rows). Rows also record `exact_graph_error` when capture fails, and the recompile reasons
-go to stderr.
+`benchmarks/results/README.md`. It led to the runner's exact route (`compile_exact`). Its
+first GPU run failed: `dense_hint_hits` was counted inside the compiled forward, so every
+call recompiled (now not counted while compiling). The saved run came before one later
+change: the dense hint then carried the segment count (the count now follows from the rows;
+one image and several still compile apart, through the towers' position metadata). Rows also
+record `exact_graph_error` when capture fails, and the recompile reasons go to stderr.
 """
 
 from __future__ import annotations

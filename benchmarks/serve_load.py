@@ -213,8 +213,8 @@ def deploy(config_path: str) -> tuple[str, dict]:
 
     from tests.serve_harness import ServeHarness
 
-    # configs/gpu.yaml on a fresh H100: ~4 min to compile, capture and self-check the Qwen3-VL-8B
-    # replica (205 s in encoder_bench), more than the tests' default wait.
+    # configs/gpu.yaml on a fresh H100: 204 s to compile, capture and self-check the Qwen3-VL-8B
+    # replica (serve_load_gpu_h100_exact.json), more than the tests' default wait.
     harness = ServeHarness(num_cpus=None, deploy_timeout_s=900)
     url = harness.deploy(config_path)
     return url, yaml.safe_load(Path(config_path).read_text())["applications"][0]["args"]["model"]

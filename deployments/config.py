@@ -81,7 +81,7 @@ class GraphSettings(_Strict):
     compile_exact: bool = Field(
         True,
         description="With compile: packs run without a graph use the compiled forward on their exact layout "
-        "(no padding); one more compile at startup.",
+        "(no padding); two more compiles at startup.",
     )
 
     def to_config(self) -> GraphConfig:

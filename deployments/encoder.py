@@ -135,7 +135,10 @@ class EncoderReplica:
                 metrics.padded_tokens.inc(report.budget - report.real_tokens)
             metrics.computed_tokens.inc(report.budget)
         else:
-            metrics.eager_fallbacks.inc(tags={"reason": report.eager_reason, "compiled": str(report.compiled).lower()})
+            # compiled: "true" (compiled on the exact layout), "false", or "fallback" (it would have
+            # needed a compile on the request path and ran uncompiled)
+            compiled = "fallback" if report.recompile_fallback else str(report.compiled).lower()
+            metrics.eager_fallbacks.inc(tags={"reason": report.eager_reason, "compiled": compiled})
             if report.budget is not None:
                 metrics.graph_misses.inc(tags={"budget": str(report.budget)})
 

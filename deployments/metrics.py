@@ -62,7 +62,8 @@ class EncoderMetrics:
         )
         self.eager_fallbacks = Counter(
             "vlm_encoder_eager_fallbacks",
-            description="Eager runs, by reason, and whether the compiled forward ran them on the exact layout.",
+            description="Runs without a graph, by reason; compiled: true (compiled forward on the exact layout), "
+            "false (uncompiled), fallback (would have compiled on the request; ran uncompiled).",
             tag_keys=("reason", "compiled"),
         )
         self.padded_tokens = Counter("vlm_encoder_padded_tokens", description="Padding tokens computed by graphs.")

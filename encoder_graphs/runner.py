@@ -99,10 +99,12 @@ class GraphConfig:
     """With `compile`: packs of equal attention segments that run without a graph (larger
     than every budget, or cheaper unpadded by the measured costs) run through the compiled
     forward on their exact layout (dense attention), not the transformers modules. Costs two
-    more compiles at startup (one segment, several); a pack that would still need a compile
-    runs uncompiled and is counted (`recompile_fallbacks`). Packs of unequal segments keep the
+    more compiles at startup (one segment, several); the route is checked against eager at
+    startup like the graphs (turned off if wrong) and offered only from the smallest size at
+    which its compile was seen to hold. A pack that would still need a compile runs
+    uncompiled and is counted (`recompile_fallbacks`). Packs of unequal segments keep the
     uncompiled route: compiled on their exact layout they measured slower than eager on an
-    H100 (Qwen3-VL-8B mixed pack: 41.6 ms vs 39.4 ms; `benchmarks/results/README.md`)."""
+    H100 (Qwen3-VL-8B mixed pack: 41.56 ms vs 39.39 ms, `encoder_bench_qwen3_exact_varlen.md`)."""
 
 
 @dataclass
@@ -119,16 +121,17 @@ class GraphEntry:
     eager_ms: float = math.nan
     """Uncompiled eager forward of the self-check pack (exact layout)."""
     exact_ms: float = math.nan
-    """Compiled exact-layout forward of the self-check pack's equal items, scaled to its tokens."""
+    """Compiled exact-layout forward of the self-check pack's equal items, scaled to the budget."""
     self_check_error: float = math.nan
 
 
 @contextlib.contextmanager
 def _exact_state():
-    """The global state every compiled exact-layout call runs in, whatever the caller's: dynamo
-    guards on grad mode, so a caller under `inference_mode` (or with grad on) would otherwise
-    miss the compile made at startup. Not inference mode itself: compiling views under it fails
-    on torch 2.11 (see `forward_padded`)."""
+    """The global state every compiled exact-layout call runs in, whatever the caller's. Dynamo
+    guards on global state such as grad mode: the deployment's worker thread runs with grad
+    on, the benchmark under `inference_mode` (grad off); either would miss a compile made in
+    the other state. Not inference mode itself: compiling views under it fails on torch 2.11
+    (see `forward_padded`)."""
     with torch.inference_mode(False), torch.no_grad():
         yield
 
@@ -198,6 +201,9 @@ class EncoderRunner:
         self._compiled = config.compile and self.device.type == "cuda"
         self._exact_compiled = False
         """True once the compiled forward is warmed for exact layouts (`_warm_exact`)."""
+        self._exact_min_rows = 0
+        """Smallest pack (input rows) the exact compile was seen to hold for: the warm-up's, then
+        lowered by the startup measurements (Qwen2.5-VL's compile holds only from ~3420 rows)."""
         if self._compiled:
             import torch._dynamo
 
@@ -247,7 +253,10 @@ class EncoderRunner:
                 )
             self.memory.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)
         if self._compiled and self.config.compile_exact:
-            self._warm_exact(progress)
+            try:
+                self._warm_exact(progress)
+            except Exception:  # an optimisation: the replica serves without it
+                logger.exception("compiling the exact-layout route failed; packs without a graph run uncompiled")
         if self.use_graphs and self.config.self_check:
             self.self_check(progress)
         self.capture_seconds = time.perf_counter() - start
@@ -288,17 +297,24 @@ class EncoderRunner:
             return ItemSpec("image", (1, height, width), height * width, height * width // unit)
 
         one, half = math.isqrt(rows), math.isqrt(rows // 2)
-        for specs in ([image(one, one)], [image(half, half)] * 2):
+        warm = ([image(one, one)], [image(half, half)] * 2)
+        for specs in warm:
             pixels = synthetic_pixels(specs, self.encoder.patch_dim, self.device)
             with _exact_state():
                 self.encoder.forward_eager(pixels.to(self.encoder.dtype), specs, forward=self._forward)
         torch.cuda.synchronize(self.device)
+        self._exact_min_rows = min(sum(s.input_patches for s in specs) for specs in warm)
         self._exact_compiled = True
         progress(f"compiled the exact-layout forward in {time.perf_counter() - start:.1f} s")
 
     def _compiles_exact(self, specs: Sequence[ItemSpec]) -> bool:
-        """Whether the compiled forward runs this pack on its exact layout: equal segments only."""
-        return self._exact_compiled and len({s.frame_patches for s in specs}) == 1
+        """Whether the compiled forward runs this pack on its exact layout: equal segments only,
+        no smaller than the smallest pack its compile was seen to hold for."""
+        return (
+            self._exact_compiled
+            and len({s.frame_patches for s in specs}) == 1
+            and sum(s.input_patches for s in specs) >= self._exact_min_rows
+        )
 
     def _forward_exact(
         self, pixel_values: torch.Tensor, specs: Sequence[ItemSpec], count: bool = True
@@ -367,25 +383,45 @@ class EncoderRunner:
             if not math.isfinite(error) or error > self.config.self_check_tolerance:
                 self._disable(entry, f"self-check error {error:.3g} > {self.config.self_check_tolerance}")
                 continue
+            if self._exact_compiled:
+                self._check_exact(entry, pixels, specs, eager)
             if self.use_graphs:
                 entry.replay_ms = time_ms(lambda: self._execute(entry), self.device)
-                entry.eager_ms = time_ms(lambda: self.encoder.forward_eager(pixels, specs), self.device, repeats=2)
-                if self._exact_compiled:
-                    self._measure_exact(entry, pixels, specs)
+                entry.eager_ms = time_ms(lambda: self.encoder.forward_eager(pixels, specs), self.device, repeats=3)
         enabled = sum(e.enabled for e in self.entries.values())
         progress(f"self-check: {enabled}/{len(self.entries)} graphs enabled")
 
-    def _measure_exact(self, entry: GraphEntry, pixels: torch.Tensor, specs: Sequence[ItemSpec]) -> None:
-        """`entry.exact_ms`: the compiled exact-layout forward of the self-check pack's equal items,
-        scaled to the pack's tokens; left unmeasured (NaN: the route is not offered at this size)
-        where that forward would need a compile. Qwen2.5-VL's compile holds only from ~3420 rows
+    def _check_exact(
+        self, entry: GraphEntry, pixels: torch.Tensor, specs: Sequence[ItemSpec], eager: EncoderOutput
+    ) -> None:
+        """The compiled exact-layout forward on the self-check pack's equal items: compared with
+        eager (a wrong or non-finite result turns the route off, as a wrong graph is disabled),
+        then timed into `entry.exact_ms`, scaled to the full budget. Where that forward would need
+        a compile it is left unmeasured (NaN: not offered by cost); where it holds, it lowers the
+        smallest size the route is offered for. Qwen2.5-VL's compile holds only from ~3420 rows
         up (inductor's matmul padding guards on the size)."""
         equal = [s for s in specs if s == specs[0]]
-        rows = sum(s.input_patches for s in equal)
-        _, compiled = self._forward_exact(pixels[:rows], equal, count=False)
-        if compiled:
-            ms = time_ms(lambda: self._forward_exact(pixels[:rows], equal, count=False), self.device, repeats=2)
-            entry.exact_ms = ms * sum(s.output_tokens for s in specs) / sum(s.output_tokens for s in equal)
+        rows, tokens = sum(s.input_patches for s in equal), sum(s.output_tokens for s in equal)
+        min_rows, self._exact_min_rows = self._exact_min_rows, 0  # try this size even if smaller
+        out, compiled = self._forward_exact(pixels[:rows], equal, count=False)
+        self._exact_min_rows = min(min_rows, rows) if compiled else min_rows
+        if not compiled:
+            return
+        error = relative_error(out.tokens, eager.tokens[:tokens])
+        if eager.deepstack is not None:
+            error = max(error, relative_error(out.deepstack, eager.deepstack[:, :tokens]))
+        if not math.isfinite(error) or error > self.config.self_check_tolerance:
+            self._exact_compiled = False
+            logger.warning(
+                "compiled exact-layout route turned off: self-check error %.3g > %s at %d rows",
+                error,
+                self.config.self_check_tolerance,
+                rows,
+            )
+            return
+        if self.use_graphs:
+            ms = time_ms(lambda: self._forward_exact(pixels[:rows], equal, count=False), self.device, repeats=3)
+            entry.exact_ms = ms * entry.key[0] / tokens
 
     def _disable(self, entry: GraphEntry, why: str) -> None:
         entry.enabled = False
@@ -406,8 +442,10 @@ class EncoderRunner:
         budget = fitting_budget(self.ladder, tokens)
         parts = self._plan(specs, tokens, budget)
         if isinstance(parts, str):
+            fallbacks = self.stats.recompile_fallbacks
             out, compiled = self._forward_exact(pixel_values, specs)
-            self.stats.record_eager(parts, budget, tokens, compiled=compiled)
+            fell_back = self.stats.recompile_fallbacks > fallbacks
+            self.stats.record_eager(parts, budget, tokens, compiled=compiled, recompile_fallback=fell_back)
             return self._split(_moved(out, output_device), specs)
         if len(parts) == 1:
             _, entry, metadata = parts[0]
@@ -605,6 +643,7 @@ class EncoderRunner:
             "max_segments_per_pack": self.max_segments,
             "cuda_graphs": self.use_graphs,
             "compiled_exact_route": self._exact_compiled,
+            "compiled_exact_min_rows": self._exact_min_rows if self._exact_compiled else None,
             "graphs": len(self.entries),
             "graphs_enabled": sum(e.enabled for e in self.entries.values()),
             "capture_seconds": round(self.capture_seconds, 2),

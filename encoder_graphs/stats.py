@@ -9,7 +9,7 @@ EAGER_REASONS = (
     "oversize",  # the pack is larger than the largest budget
     "no_graph",  # no captured graph fits (CPU, graphs off, or disabled by the self-check)
     "capacity",  # the pack has more attention segments than the fitting graph's buffers hold
-    "cost",  # the measured costs say eager is faster for this pack
+    "cost",  # the measured costs say no graph (eager, or compiled on the exact layout) is faster
     "nonfinite",  # the graph produced NaN/inf at run time; the pack was recomputed eagerly
 )
 
@@ -26,6 +26,8 @@ class PackReport:
     eager_reason: str | None = None
     compiled: bool = False
     """An eager run that went through the compiled forward on the pack's exact layout."""
+    recompile_fallback: bool = False
+    """An eager run that would have needed a compile and ran uncompiled instead."""
 
 
 @dataclass
@@ -61,13 +63,20 @@ class RunnerStats:
         self.padded_tokens += budget - real_tokens
         self.last = PackReport(budget, real_tokens, graph=True)
 
-    def record_eager(self, reason: str, budget: int | None, real_tokens: int = 0, compiled: bool = False) -> None:
+    def record_eager(
+        self,
+        reason: str,
+        budget: int | None,
+        real_tokens: int = 0,
+        compiled: bool = False,
+        recompile_fallback: bool = False,
+    ) -> None:
         assert reason in EAGER_REASONS, reason
         self.eager_fallbacks[reason] += 1
         self.compiled_exact += compiled
         if budget is not None:
             self.graph_misses[budget] += 1
-        self.last = PackReport(budget, real_tokens, graph=False, eager_reason=reason, compiled=compiled)
+        self.last = PackReport(budget, real_tokens, False, reason, compiled, recompile_fallback)
 
     @property
     def padding_waste(self) -> float:

@@ -285,3 +285,53 @@ def test_exact_route_runs_uncompiled_rather_than_compile_on_a_request(qwen3):
     assert not runner.stats.last.compiled and runner.stats.recompile_fallbacks == 1
     assert_matches_reference(reference, pixels, specs, outputs)
     torch._dynamo.reset()
+
+
+def test_a_wrong_compiled_exact_route_is_turned_off_at_startup(qwen3):
+    """The exact route is self-checked against eager like the graphs: a stand-in for the compiled
+    forward that is wrong only on exact (dense) layouts turns the route off; the graphs stay."""
+    encoder, reference = qwen3
+    runner = EncoderRunner(encoder, GraphConfig(budgets=(64, 256)))
+
+    def wrong_when_dense(pixel_values, metadata, layout, dense_segments=False):
+        out = encoder.forward_padded(pixel_values, metadata, layout, dense_segments)
+        if dense_segments:
+            out.tokens = out.tokens * float("nan")
+        return out
+
+    runner._forward, runner._exact_compiled = wrong_when_dense, True  # as after `_warm_exact`
+    runner.self_check()
+    assert runner.describe()["compiled_exact_route"] is False
+    assert all(e.enabled for e in runner.entries.values())
+    pixels, specs = make_images(encoder, np.random.default_rng(9), [(500, 500), (500, 500)])
+    outputs = runner.run(pixels, specs)  # oversize, equal segments: uncompiled eager
+    assert not runner.stats.last.compiled
+    assert_matches_reference(reference, pixels, specs, outputs)
+
+
+def test_exact_route_is_priced_and_offered_only_where_measured(qwen3):
+    """With measured costs, an equal-segment pack takes the (compiled) exact route when it beats
+    the graph; an unequal pack, a pack below the size the compile held for, or a budget whose
+    exact cost was not measured (NaN) keeps the graph."""
+    encoder, reference = qwen3
+    runner = runner_with_costs(encoder, lambda budget: 10.0, eager_ms=50.0)
+    runner._exact_compiled = True  # the plain forward stands in for the compiled one
+    for entry in runner.entries.values():
+        entry.exact_ms = 5.0
+    rng = np.random.default_rng(10)
+    equal_pixels, equal = make_images(encoder, rng, [(256, 256)] * 2)
+    unequal_pixels, unequal = make_images(encoder, rng, [(256, 256), (256, 320)])
+
+    assert_matches_reference(reference, equal_pixels, equal, runner.run(equal_pixels, equal))
+    assert runner.stats.last.eager_reason == "cost" and runner.stats.last.compiled
+    assert_matches_reference(reference, unequal_pixels, unequal, runner.run(unequal_pixels, unequal))
+    assert runner.stats.last.graph
+
+    runner._exact_min_rows = sum(s.input_patches for s in equal) + 1
+    runner.run(equal_pixels, equal)
+    assert runner.stats.last.graph
+    runner._exact_min_rows = 0
+    for entry in runner.entries.values():
+        entry.exact_ms = float("nan")
+    runner.run(equal_pixels, equal)
+    assert runner.stats.last.graph and runner.stats.recompile_fallbacks == 0
