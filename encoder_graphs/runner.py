@@ -316,28 +316,34 @@ class EncoderRunner:
             and sum(s.input_patches for s in specs) >= self._exact_min_rows
         )
 
-    def _forward_exact(
-        self, pixel_values: torch.Tensor, specs: Sequence[ItemSpec], count: bool = True
-    ) -> tuple[EncoderOutput, bool]:
-        """The pack on its exact layout, and whether the compiled forward ran it. Once warmed, a
-        pack that would need a new compile (seconds, on the request path) runs uncompiled; with
-        `count`, that is counted and logged (warned the first time)."""
-        if not self._compiles_exact(specs):
-            return self.encoder.forward_eager(pixel_values, specs), False
+    def _compiled_exact(self, pixel_values: torch.Tensor, specs: Sequence[ItemSpec]) -> EncoderOutput | None:
+        """The compiled forward on the pack's exact layout; None where that would need a compile
+        (seconds, on the request path): dynamo raises instead of compiling."""
         try:
             with _exact_state(), torch.compiler.set_stance("fail_on_recompile"):
-                if pixel_values.is_inference():  # made under the caller's inference_mode
-                    pixel_values = pixel_values.clone()
-                pixel_values = pixel_values.to(self.encoder.dtype)  # another dtype would recompile
-                return self.encoder.forward_eager(pixel_values, specs, forward=self._forward), True
+                # One copy at most: a caller's inference tensor (from its inference_mode) cannot
+                # enter the compiled forward, and another dtype would recompile.
+                pixel_values = pixel_values.to(self.encoder.dtype, copy=pixel_values.is_inference())
+                return self.encoder.forward_eager(pixel_values, specs, forward=self._forward)
         except RuntimeError as error:
             if "fail_on_recompile" not in str(error):
                 raise
-            if count:
-                self.stats.recompile_fallbacks += 1
-                log = logger.warning if self.stats.recompile_fallbacks == 1 else logger.debug
-                log("exact-layout pack of %d items would recompile; ran uncompiled: %s", len(specs), error)
-            return self.encoder.forward_eager(pixel_values, specs), False
+            logger.debug("exact-layout pack of %d items would recompile: %s", len(specs), error)
+            return None
+
+    def _forward_exact(self, pixel_values: torch.Tensor, specs: Sequence[ItemSpec]) -> tuple[EncoderOutput, bool, bool]:
+        """The pack on its exact layout: (output, whether the compiled forward ran it, whether it
+        fell back because the compiled forward would have needed a compile; counted, warned once)."""
+        fell_back = False
+        if self._compiles_exact(specs):
+            out = self._compiled_exact(pixel_values, specs)
+            if out is not None:
+                return out, True, False
+            fell_back = True
+            self.stats.recompile_fallbacks += 1
+            if self.stats.recompile_fallbacks == 1:
+                logger.warning("exact-layout pack of %d items would recompile; ran uncompiled", len(specs))
+        return self.encoder.forward_eager(pixel_values, specs), False, fell_back
 
     def _forward_into_outputs(self, entry: GraphEntry) -> None:
         metadata = {name: t for name, t in entry.inputs.items() if name != "pixel_values"}
@@ -402,11 +408,10 @@ class EncoderRunner:
         up (inductor's matmul padding guards on the size)."""
         equal = [s for s in specs if s == specs[0]]
         rows, tokens = sum(s.input_patches for s in equal), sum(s.output_tokens for s in equal)
-        min_rows, self._exact_min_rows = self._exact_min_rows, 0  # try this size even if smaller
-        out, compiled = self._forward_exact(pixels[:rows], equal, count=False)
-        self._exact_min_rows = min(min_rows, rows) if compiled else min_rows
-        if not compiled:
+        out = self._compiled_exact(pixels[:rows], equal)
+        if out is None:
             return
+        self._exact_min_rows = min(self._exact_min_rows, rows)
         error = relative_error(out.tokens, eager.tokens[:tokens])
         if eager.deepstack is not None:
             error = max(error, relative_error(out.deepstack, eager.deepstack[:, :tokens]))
@@ -420,7 +425,7 @@ class EncoderRunner:
             )
             return
         if self.use_graphs:
-            ms = time_ms(lambda: self._forward_exact(pixels[:rows], equal, count=False), self.device, repeats=3)
+            ms = time_ms(lambda: self._compiled_exact(pixels[:rows], equal), self.device, repeats=3)
             entry.exact_ms = ms * entry.key[0] / tokens
 
     def _disable(self, entry: GraphEntry, why: str) -> None:
@@ -442,9 +447,7 @@ class EncoderRunner:
         budget = fitting_budget(self.ladder, tokens)
         parts = self._plan(specs, tokens, budget)
         if isinstance(parts, str):
-            fallbacks = self.stats.recompile_fallbacks
-            out, compiled = self._forward_exact(pixel_values, specs)
-            fell_back = self.stats.recompile_fallbacks > fallbacks
+            out, compiled, fell_back = self._forward_exact(pixel_values, specs)
             self.stats.record_eager(parts, budget, tokens, compiled=compiled, recompile_fallback=fell_back)
             return self._split(_moved(out, output_device), specs)
         if len(parts) == 1:

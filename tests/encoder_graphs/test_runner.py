@@ -274,8 +274,8 @@ def test_exact_route_runs_uncompiled_rather_than_compile_on_a_request(qwen3):
 
     with torch.no_grad():  # compiled off the request path, in the state `_warm_exact` uses
         encoder.forward_eager(pixels, specs, forward=runner._forward)
-    with torch.inference_mode():  # the caller's grad mode must not miss that compile
-        outputs = runner.run(pixels, specs)
+    with torch.inference_mode():  # the caller's grad mode (and its inference tensors) must not miss it
+        outputs = runner.run(pixels.clone(), specs)
     assert runner.stats.recompile_fallbacks == 1 and runner.stats.compiled_exact == 1
     assert runner.stats.last.compiled and runner.stats.snapshot()["compiled_exact"] == 1
     assert_matches_reference(reference, pixels, specs, outputs)
@@ -335,3 +335,24 @@ def test_exact_route_is_priced_and_offered_only_where_measured(qwen3):
         entry.exact_ms = float("nan")
     runner.run(equal_pixels, equal)
     assert runner.stats.last.graph and runner.stats.recompile_fallbacks == 0
+
+
+def test_a_failing_exact_warm_up_leaves_the_route_off_and_the_runner_serving(qwen3, caplog):
+    """The exact route is an optimisation: if its startup compile fails, `capture` logs it and the
+    runner serves as without it."""
+    encoder, reference = qwen3
+    runner = EncoderRunner(encoder, GraphConfig(budgets=(64, 256)))
+    runner._compiled = True  # as on CUDA with `compile` (on CPU the runner never compiles)
+
+    def fails_when_dense(pixel_values, metadata, layout, dense_segments=False):
+        if dense_segments:
+            raise RuntimeError("inductor failed")
+        return encoder.forward_padded(pixel_values, metadata, layout)
+
+    runner._forward = fails_when_dense
+    runner.capture()
+    assert runner.describe()["compiled_exact_route"] is False
+    assert "compiling the exact-layout route failed" in caplog.text
+    pixels, specs = make_images(encoder, np.random.default_rng(11), [(500, 500), (500, 500)])
+    assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+    assert not runner.stats.last.compiled
