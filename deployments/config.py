@@ -83,6 +83,12 @@ class GraphSettings(_Strict):
         description="With compile: packs run without a graph use the compiled forward on their exact layout "
         "(no padding); two more compiles at startup.",
     )
+    recurring_graphs: int = Field(
+        16, ge=0, description="Most graphs of recurring packs' exact layouts kept (LRU); 0: off."
+    )
+    recurring_after: int = Field(
+        2, ge=1, description="A pack (its items' grids, in order) gets its own graph when seen this often."
+    )
 
     def to_config(self) -> GraphConfig:
         values = self.model_dump()

@@ -129,7 +129,10 @@ class EncoderReplica:
         metrics.queued_tokens.set(self._queued_tokens)
         metrics.queue_seconds.observe(result.queue_s)
         metrics.forward_seconds.observe(result.forward_s)
-        if report.graph:
+        if report.graph and report.recurring:  # the pack's own graph: no padding computed
+            metrics.graph_hits.inc(tags={"budget": "recurring"})
+            metrics.computed_tokens.inc(report.real_tokens)
+        elif report.graph:
             metrics.graph_hits.inc(tags={"budget": str(report.budget)})
             if report.budget > report.real_tokens:
                 metrics.padded_tokens.inc(report.budget - report.real_tokens)

@@ -55,7 +55,9 @@ class EncoderMetrics:
             "vlm_encoder_queue_seconds", description="A pack's wait in the replica before it runs.", boundaries=SECONDS
         )
         self.graph_hits = Counter(
-            "vlm_encoder_graph_hits", description="Packs run by a graph, per token budget.", tag_keys=("budget",)
+            "vlm_encoder_graph_hits",
+            description='Packs run by a graph, per token budget ("recurring": a recurring pack\'s own graph).',
+            tag_keys=("budget",),
         )
         self.graph_misses = Counter(
             "vlm_encoder_graph_misses", description="Packs that fit a budget but ran eagerly.", tag_keys=("budget",)

@@ -94,6 +94,9 @@ class MemoryReport:
     graph_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
     """Growth of the shared graph pool while capturing each (token_budget, max_seqlen) graph."""
     peak_allocated_bytes: int = 0
+    recurring_bytes: int = 0
+    """Recurring packs' graphs: their metadata buffers plus the shared pool's growth while
+    capturing them (cumulative: the pool keeps what it grew by after an eviction)."""
 
     @property
     def pool_bytes(self) -> int:
@@ -113,4 +116,5 @@ class MemoryReport:
             "per_budget_mib": {b: round(v / MiB, 1) for b, v in sorted(self.per_budget_bytes().items())},
             "peak_allocated_mib": round(self.peak_allocated_bytes / MiB, 1),
             "graphs": len(self.graph_bytes),
+            "recurring_mib": round(self.recurring_bytes / MiB, 1),
         }

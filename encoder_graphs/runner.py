@@ -12,6 +12,13 @@ segments are all equal (one image, a video, same-size images) runs there through
 compiled forward as the graphs, as a dense batch, warmed at startup so that no request pays
 for a compile; its cost is measured apart from uncompiled eager's.
 
+A pack that recurs (the same items' grids in the same order, seen `recurring_after` times)
+gets a graph of its own exact layout: no padding rows, equal segments as one dense attention
+batch, position metadata baked into its own small buffers, pixels and outputs in views of the
+shared static buffers, intermediates in the shared pool. It is captured on that request, checked
+against its own warm-up run, timed, and kept (least recently used evicted past
+`recurring_graphs`) only if it replays faster than the route the measured costs would pick.
+
 On CPU the same buffers, padding and slicing run through `forward_padded` without graphs,
 so CI covers everything but the capture itself.
 """
@@ -22,6 +29,7 @@ import contextlib
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +65,12 @@ MAX_SPLIT = 3
 """Most graph replays one pack may be split into when that is cheaper than one padded graph."""
 GraphKey = tuple[int, int]
 """(token_budget, max_seqlen)."""
+PackKey = tuple[tuple[int, int, int], ...]
+"""A pack's items' grids (t, h, w), in order: all its exact layout and metadata depend on."""
+SIGHTINGS_KEPT = 4096
+"""Pack keys whose sightings (or rejection) the runner remembers, least recently seen dropped."""
+RECURRING_MIN_FREE = 1 << 30
+"""Free GPU memory (bytes) below which no recurring pack's graph is captured."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +119,12 @@ class GraphConfig:
     uncompiled and is counted (`recompile_fallbacks`). Packs of unequal segments keep the
     uncompiled route: compiled on their exact layout they measured slower than eager on an
     H100 (Qwen3-VL-8B mixed pack: 41.56 ms vs 39.39 ms, `encoder_bench_qwen3_exact_varlen.md`)."""
+    recurring_graphs: int = 16
+    """Most graphs of recurring packs' exact layouts kept (least recently used evicted); 0: off.
+    Each costs its metadata buffers (kilobytes to a few MiB) and whatever the shared pool grows
+    by while capturing it (reported)."""
+    recurring_after: int = 2
+    """A pack gets its own graph the time its key (items' grids, in order) is seen this often."""
 
 
 @dataclass
@@ -123,6 +143,13 @@ class GraphEntry:
     exact_ms: float = math.nan
     """Compiled exact-layout forward of the self-check pack's equal items, scaled to the budget."""
     self_check_error: float = math.nan
+    dense: bool = False
+    """Exact layout of equal segments: attention runs them as one dense batch (recurring packs)."""
+    forward: Callable[..., EncoderOutput] | None = None
+    """The forward captured (None: the runner's); a recurring pack's graph may hold the
+    uncompiled one where the compiled forward would have needed a compile."""
+    recurring: bool = False
+    """A recurring pack's own graph (exact layout, metadata baked in), not a budget's."""
 
 
 @contextlib.contextmanager
@@ -198,6 +225,9 @@ class EncoderRunner:
         self._pool = None
         self._side = None
         self._forward = self.encoder.forward_padded
+        self._recurring: OrderedDict[PackKey, GraphEntry] = OrderedDict()
+        self._sightings: OrderedDict[PackKey, int] = OrderedDict()
+        """Times each pack key was seen; -1 once its graph was rejected (never tried again)."""
         self._compiled = config.compile and self.device.type == "cuda"
         self._exact_compiled = False
         """True once the compiled forward is warmed for exact layouts (`_warm_exact`)."""
@@ -347,7 +377,12 @@ class EncoderRunner:
 
     def _forward_into_outputs(self, entry: GraphEntry) -> None:
         metadata = {name: t for name, t in entry.inputs.items() if name != "pixel_values"}
-        out = self._forward(entry.inputs["pixel_values"], metadata, entry.layout)
+        forward = entry.forward or self._forward
+        dense = (True,) if entry.dense else ()
+        # One fixed global state for every compiled call (see `_exact_state`): a recurring pack's
+        # graph, captured on a request, then finds the compile the budget graphs made at startup.
+        with _exact_state():
+            out = forward(entry.inputs["pixel_values"], metadata, entry.layout, *dense)
         entry.outputs["tokens"].copy_(out.tokens)
         finite = torch.isfinite(out.tokens).all(dim=-1)
         if out.deepstack is not None:
@@ -429,6 +464,12 @@ class EncoderRunner:
             entry.exact_ms = ms * entry.key[0] / tokens
 
     def _disable(self, entry: GraphEntry, why: str) -> None:
+        if entry.recurring:
+            key = next((k for k, e in self._recurring.items() if e is entry), None)
+            if key is not None:
+                del self._recurring[key]
+                self._reject_recurring(key, "nonfinite", why)
+            return
         entry.enabled = False
         self.stats.disabled_graphs += 1
         logger.warning("disabled graph budget=%d max_seqlen=%d: %s", *entry.key, why)
@@ -436,16 +477,31 @@ class EncoderRunner:
     # ---- serving ----
 
     def run(
-        self, pixel_values: torch.Tensor, specs: Sequence[ItemSpec], output_device: torch.device | str | None = None
+        self,
+        pixel_values: torch.Tensor,
+        specs: Sequence[ItemSpec],
+        output_device: torch.device | str | None = None,
+        recurring: bool = True,
     ) -> list[ItemOutput]:
         """Encode one pack (`pixel_values` rows in item order) and return one output per item, on
-        `output_device` (default: the encoder's), copied once out of the static buffers."""
+        `output_device` (default: the encoder's), copied once out of the static buffers.
+        `recurring` False: neither run nor count toward the pack's own graph (what a pack seen
+        for the first time costs; the benchmark times both)."""
         output_device = torch.device(output_device) if output_device is not None else self.device
         self.stats.packs += 1
         self.stats.items += len(specs)
         tokens = sum(s.output_tokens for s in specs)
         budget = fitting_budget(self.ladder, tokens)
-        parts = self._plan(specs, tokens, budget)
+        key = tuple(s.grid_thw for s in specs)
+        own = self._recurring.get(key) if recurring else None
+        if own is not None:
+            self._recurring.move_to_end(key)
+            return self._run_graph(own, None, pixel_values, specs, output_device)
+        parts, cost = self._plan(specs, tokens, budget)
+        if recurring and self._recurs(key, specs):
+            outputs = self._capture_recurring(key, pixel_values, specs, cost, output_device)
+            if outputs is not None:
+                return outputs
         if isinstance(parts, str):
             out, compiled, fell_back = self._forward_exact(pixel_values, specs)
             self.stats.record_eager(parts, budget, tokens, compiled=compiled, recompile_fallback=fell_back)
@@ -473,20 +529,142 @@ class EncoderRunner:
         specs: Sequence[ItemSpec],
         output_device: torch.device,
     ) -> list[ItemOutput]:
+        """`metadata` None: the entry's own (a recurring pack's, baked in)."""
         tokens = sum(s.output_tokens for s in specs)
         self._fill(entry, pixel_values, metadata)
         self._execute(entry)
         out, finite = self._take(entry, tokens, output_device)
+        budget = fitting_budget(self.ladder, tokens) if entry.recurring else entry.key[0]
         if self.use_graphs and not bool(finite.all()):
             if not isinstance(pixel_values, torch.Tensor):
                 pixel_values = torch.cat(list(pixel_values))
             eager = self.encoder.forward_eager(pixel_values, specs)
             if bool(torch.isfinite(eager.tokens).all()):
                 self._disable(entry, "non-finite output at run time")
-            self.stats.record_eager("nonfinite", entry.key[0], tokens)
+            self.stats.record_eager("nonfinite", budget, tokens)
             return self._split(_moved(eager, output_device), specs)
-        self.stats.record_graph(entry.key[0], tokens)
+        self.stats.record_graph(budget, tokens, recurring=entry.recurring)
         return self._split(out, specs)
+
+    # ---- recurring packs ----
+
+    def _recurs(self, key: PackKey, specs: Sequence[ItemSpec]) -> bool:
+        """Count a sighting of `key`; True when this is the one that earns the pack its own graph.
+        Packs larger than the largest budget's rows never do (their intermediates would grow the
+        shared pool past what the budgets measured)."""
+        if self.config.recurring_graphs <= 0 or (self.use_graphs and self.device.type == "cuda" and self._pool is None):
+            return False  # off, or the budgets' graphs not captured yet
+        if sum(s.input_patches for s in specs) > self.ladder[-1] * self.encoder.merge_unit:
+            return False
+        seen = self._sightings.pop(key, 0)
+        if seen >= 0:
+            seen += 1
+        self._sightings[key] = seen
+        while len(self._sightings) > SIGHTINGS_KEPT:
+            self._sightings.popitem(last=False)
+        return seen >= self.config.recurring_after
+
+    def _reject_recurring(self, key: PackKey, why: str, detail: str = "") -> None:
+        self._sightings[key] = -1
+        self.stats.recurring_rejected[why] += 1
+        logger.info("no graph for a recurring pack of %d items: %s %s", len(key), why, detail)
+
+    def _capture_recurring(
+        self,
+        key: PackKey,
+        pixel_values: torch.Tensor,
+        specs: Sequence[ItemSpec],
+        estimate_ms: float,
+        output_device: torch.device,
+    ) -> list[ItemOutput] | None:
+        """Capture (CUDA) or set up (CPU) the pack's own exact-layout graph and run this request
+        through it; None (the caller runs its plan) where it is refused: too little free memory,
+        a capture error, a result that disagrees with its own warm-up run, or a replay no faster
+        than `estimate_ms` (the plan's measured cost). A refused key is never tried again. Where
+        the compiled forward would need a compile, the uncompiled forward is captured instead."""
+        capture = self._pool is not None  # as the budgets' graphs were (CUDA, `cuda_graphs`)
+        if capture and torch.cuda.mem_get_info(self.device)[0] < RECURRING_MIN_FREE:
+            self._reject_recurring(key, "memory")
+            return None
+        layout = self.encoder.exact_layout(specs)
+        rows = layout.token_budget * self.encoder.merge_unit
+        meta_specs = self.encoder.metadata_specs(layout)
+        meta = StaticBuffers([meta_specs], self.device)
+        pixel_spec = {"pixel_values": TensorSpec((rows, self.encoder.patch_dim), self.encoder.dtype)}
+        entry = GraphEntry(
+            (layout.token_budget, layout.max_seqlen),
+            layout,
+            {**self._inputs.views(pixel_spec), **meta.views(meta_specs)},
+            self._outputs.views(self._output_specs(layout)),
+            dense=len({s.frame_patches for s in specs}) == 1,
+            recurring=True,
+        )
+        self._fill(entry, pixel_values, self.encoder.pack_metadata(specs, layout))
+        pool_before = pool_reserved_bytes(self._pool, self.device) if capture else 0
+        try:
+            expected = self._warm_recurring(entry)
+            if capture:
+                graph = torch.cuda.CUDAGraph()
+                with self._recurring_stance(entry):
+                    with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                        self._forward_into_outputs(entry)
+                entry.graph = graph
+            self._execute(entry)
+            error = max(relative_error(entry.outputs[name], want) for name, want in expected.items())
+        except Exception as exc:  # an optimisation: the pack still runs by its plan
+            self._reject_recurring(key, "error", f"{type(exc).__name__}: {exc}")
+            if capture:
+                torch.cuda.synchronize(self.device)
+            return None
+        if not math.isfinite(error) or error > self.config.self_check_tolerance:
+            self._reject_recurring(key, "mismatch", f"{error:.3g} against its warm-up run")
+            return None
+        if math.isfinite(estimate_ms) and estimate_ms > 0:
+            entry.replay_ms = time_ms(lambda: self._execute(entry), self.device, repeats=3, warmup=0)
+            if entry.replay_ms >= estimate_ms:
+                self._reject_recurring(key, "slower", f"{entry.replay_ms:.2f} ms >= {estimate_ms:.2f} ms planned")
+                return None
+        if capture:
+            grown = pool_reserved_bytes(self._pool, self.device) - pool_before
+            self.memory.recurring_bytes += meta.nbytes + grown
+        self._recurring[key] = entry
+        self.stats.recurring_captured += 1
+        while len(self._recurring) > self.config.recurring_graphs:
+            self._recurring.popitem(last=False)
+            self.stats.recurring_evicted += 1
+        tokens = layout.token_budget
+        out, _ = self._take(entry, tokens, output_device)
+        self.stats.record_graph(fitting_budget(self.ladder, tokens), tokens, recurring=True)
+        return self._split(out, specs)
+
+    def _recurring_stance(self, entry: GraphEntry):
+        """No compile on a request: the compiled forward raises where it would need one."""
+        if entry.forward is self.encoder.forward_padded:
+            return contextlib.nullcontext()
+        return torch.compiler.set_stance("fail_on_recompile")
+
+    def _warm_recurring(self, entry: GraphEntry) -> dict[str, torch.Tensor]:
+        """Run the entry once outside capture (kernel selection, workspaces; on a side stream on
+        CUDA) with the compiled forward, or the uncompiled one where that would need a compile.
+        Returns copies of its outputs: what its graph must reproduce."""
+        forwards = [self._forward, self.encoder.forward_padded] if self._compiled else [self.encoder.forward_padded]
+        for forward in forwards:
+            entry.forward = forward
+            try:
+                if self._side is not None:
+                    side = self._side
+                    side.wait_stream(torch.cuda.current_stream(self.device))
+                    with torch.cuda.stream(side), self._recurring_stance(entry):
+                        self._forward_into_outputs(entry)
+                    torch.cuda.current_stream(self.device).wait_stream(side)
+                else:
+                    self._forward_into_outputs(entry)
+                break
+            except RuntimeError as error:
+                if "fail_on_recompile" not in str(error):
+                    raise
+                self.stats.recurring_uncompiled += 1
+        return {name: tensor.clone() for name, tensor in entry.outputs.items()}
 
     def _entries(self, budget: int, longest: int):
         """Enabled graphs of `budget` whose attention bucket holds a `longest`-patch frame, smallest first."""
@@ -505,19 +683,19 @@ class EncoderRunner:
         return None
 
     def _plan(self, specs: Sequence[ItemSpec], tokens: int, budget: int | None):
-        """How to run a pack, from the costs measured at startup: a list of (item indices, entry,
-        metadata) parts (one graph, or the pack split over smaller graphs), or the reason to run
-        eagerly."""
+        """How to run a pack, from the costs measured at startup, and its estimated ms (inf where
+        nothing was measured): a list of (item indices, entry, metadata) parts (one graph, or the
+        pack split over smaller graphs), or the reason to run eagerly."""
         if budget is None:
-            return "oversize"
+            return "oversize", math.inf
         longest = max(s.frame_patches for s in specs)
         own = self._entries(budget, longest)
         if not own:
-            return "no_graph"
+            return "no_graph", math.inf
         whole = list(range(len(specs)))
         if not self.use_graphs:  # CPU: no costs to compare; the static buffers run every pack that fits
             single = self._place(specs, budget)
-            return [(whole, *single)] if single else "capacity"
+            return ([(whole, *single)] if single else "capacity"), math.inf
         best: str | list = "cost"
         cost = self._eager_estimate_ms(own[0], tokens)
         if self._compiles_exact(specs):
@@ -538,7 +716,8 @@ class EncoderRunner:
             # price the graphs it really lands in.
             if all(placed) and sum(_replay_cost(entry) for entry, _ in placed) < cost:
                 best = [(indices, *where) for (indices, _, _), where in zip(split, placed)]
-        return best
+                cost = sum(_replay_cost(entry) for entry, _ in placed)
+        return best, cost
 
     def _split_plan(self, specs: Sequence[ItemSpec], budget: int) -> list[tuple[list[int], int, int]] | None:
         """The pack's items first-fit-decreasing into packs of the next smaller budget: [(item
@@ -599,11 +778,11 @@ class EncoderRunner:
         self,
         entry: GraphEntry,
         pixel_values: torch.Tensor | Sequence[torch.Tensor],
-        metadata: dict[str, torch.Tensor],
+        metadata: dict[str, torch.Tensor] | None,
     ) -> None:
-        """Copy a pack (its rows, or consecutive blocks of them) into the entry's static inputs;
-        padding rows are zeroed."""
-        for name, host in metadata.items():
+        """Copy a pack (its rows, or consecutive blocks of them) and its metadata (None: the
+        entry's own, kept) into the entry's static inputs; padding rows are zeroed."""
+        for name, host in (metadata or {}).items():
             entry.inputs[name].copy_(host, non_blocking=True)
         static = entry.inputs["pixel_values"]
         used = 0
@@ -650,6 +829,7 @@ class EncoderRunner:
             "graphs": len(self.entries),
             "graphs_enabled": sum(e.enabled for e in self.entries.values()),
             "capture_seconds": round(self.capture_seconds, 2),
+            "recurring_graphs": len(self._recurring),
             "memory": self.memory.summary() if self.use_graphs else None,
             "stats": self.stats.snapshot(),
         }

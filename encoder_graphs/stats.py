@@ -28,6 +28,8 @@ class PackReport:
     """An eager run that went through the compiled forward on the pack's exact layout."""
     recompile_fallback: bool = False
     """An eager run that would have needed a compile and ran uncompiled instead."""
+    recurring: bool = False
+    """A graph run by a recurring pack's own graph (its exact layout: no padding)."""
 
 
 @dataclass
@@ -54,14 +56,31 @@ class RunnerStats:
     """Eager runs that went through the compiled forward on the pack's exact layout."""
     recompile_fallbacks: int = 0
     """Exact-layout packs that would have needed a new compile and ran uncompiled instead."""
+    recurring_hits: int = 0
+    """Packs run by a recurring pack's own graph (not counted in `graph_hits`)."""
+    recurring_captured: int = 0
+    """Recurring packs' graphs captured and kept."""
+    recurring_evicted: int = 0
+    """Recurring packs' graphs dropped, least recently used first, past `recurring_graphs`."""
+    recurring_rejected: Counter = field(default_factory=Counter)
+    """Recurring packs refused a graph, per reason: "slower" than the planned route, "mismatch"
+    with its own warm-up run, "error" while capturing, "memory" (too little free), "nonfinite"
+    output at run time."""
+    recurring_uncompiled: int = 0
+    """Recurring packs' graphs that hold the uncompiled forward (the compiled one would have
+    needed a compile)."""
 
     last: PackReport | None = None
 
-    def record_graph(self, budget: int, real_tokens: int) -> None:
-        self.graph_hits[budget] += 1
+    def record_graph(self, budget: int, real_tokens: int, recurring: bool = False) -> None:
+        """`budget`: the pack's fitting budget; a recurring pack's graph computes no padding."""
+        if recurring:
+            self.recurring_hits += 1
+        else:
+            self.graph_hits[budget] += 1
+            self.padded_tokens += budget - real_tokens
         self.real_tokens += real_tokens
-        self.padded_tokens += budget - real_tokens
-        self.last = PackReport(budget, real_tokens, graph=True)
+        self.last = PackReport(budget, real_tokens, graph=True, recurring=recurring)
 
     def record_eager(
         self,
@@ -96,4 +115,9 @@ class RunnerStats:
             "split_packs": self.split_packs,
             "compiled_exact": self.compiled_exact,
             "recompile_fallbacks": self.recompile_fallbacks,
+            "recurring_hits": self.recurring_hits,
+            "recurring_captured": self.recurring_captured,
+            "recurring_evicted": self.recurring_evicted,
+            "recurring_rejected": dict(self.recurring_rejected),
+            "recurring_uncompiled": self.recurring_uncompiled,
         }

@@ -63,7 +63,11 @@ def test_every_metric_reports_sensible_values_after_a_known_workload(serve_harne
     tokens = total(after, "ray_vlm_router_vision_tokens_total") - total(before, "ray_vlm_router_vision_tokens_total")
     assert tokens >= 3 * 64 + 4096
     assert grew("ray_vlm_encoder_vision_tokens_total", by=4096)
-    assert grew("ray_vlm_encoder_graph_hits_total", 'budget="64"')
+    # The 64-token pack ran in the budget-64 graph, or, if this session's replica had already seen
+    # that pack (same grid), in its own recurring-pack graph.
+    assert grew("ray_vlm_encoder_graph_hits_total", 'budget="64"') or grew(
+        "ray_vlm_encoder_graph_hits_total", 'budget="recurring"'
+    )
     assert grew("ray_vlm_encoder_eager_fallbacks_total", 'reason="oversize"')
     assert grew("ray_vlm_encoder_computed_tokens_total")
     assert total(after, "ray_vlm_encoder_padded_tokens_total") <= total(after, "ray_vlm_encoder_computed_tokens_total")

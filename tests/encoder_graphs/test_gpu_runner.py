@@ -174,3 +174,45 @@ def test_compiled_exact_route_serves_unseen_shapes_without_compiling(encoder, re
     assert runner.stats.compiled_exact == 2 and runner.stats.recompile_fallbacks == 0
     assert all(e.exact_ms > 0 for e in runner.entries.values())
     assert counters["stats"]["unique_graphs"] == compiled_graphs
+
+    # A recurring pack's own graph is captured on a request: with the compiled forward where
+    # that needs no compile, else the uncompiled one; never a compile.
+    for sizes in ([(300, 400)] * 2, [(300, 400), (200, 240)]):
+        resized = [pre.resize_image(random_image(rng, h, w)) for h, w in sizes]
+        specs = [pre.spec("image", 1, *r.shape[-2:]) for r in resized]
+        pixels = pre.pixel_values(resized, "image", device="cuda").to(encoder.dtype)
+        for _ in range(3):
+            outputs = runner.run(pixels, specs)
+        for ours, theirs in item_errors(references, pixels, specs, outputs):
+            assert ours <= 1.5 * theirs + 1e-3, (sizes, ours, theirs)
+    stats = runner.stats.snapshot()
+    assert stats["recurring_captured"] + sum(stats["recurring_rejected"].values()) == 2, stats
+    assert counters["stats"]["unique_graphs"] == compiled_graphs
+
+
+def test_recurring_pack_gets_its_own_graph_and_matches_transformers(encoder, runner, references):
+    """A pack seen twice gets a graph of its exact layout (no padding rows), captured on that
+    request and kept because it replays faster than its padded graph; later sightings replay it.
+    Equal images (dense attention) and unequal ones. A graph no faster than the plan is refused."""
+    pre = encoder.preprocessor
+    rng = np.random.default_rng(6)
+    captured = runner.stats.recurring_captured
+    for sizes in ([(640, 640)] * 3, [(640, 640), (512, 512), (640, 640)]):
+        resized = [pre.resize_image(random_image(rng, h, w)) for h, w in sizes]
+        specs = [pre.spec("image", 1, *r.shape[-2:]) for r in resized]
+        tokens = sum(s.output_tokens for s in specs)
+        assert 1024 < tokens <= 2048  # the padded graph: budget 2048, a third or more padding
+        pixels = pre.pixel_values(resized, "image", device="cuda").to(encoder.dtype)
+        for _ in range(3):
+            outputs = runner.run(pixels, specs)
+            for ours, theirs in item_errors(references, pixels, specs, outputs):
+                assert ours <= 1.5 * theirs + 1e-3, (sizes, ours, theirs)
+        assert runner.stats.last.recurring, runner.stats.snapshot()
+        entry = runner._recurring[tuple(s.grid_thw for s in specs)]
+        padded = min(e.replay_ms for e in runner.entries.values() if e.key[0] == 2048 and e.enabled)
+        assert entry.graph is not None and entry.layout.token_budget == tokens
+        assert entry.dense == (len(set(sizes)) == 1) and 0 < entry.replay_ms < padded
+    assert runner.stats.recurring_captured == captured + 2
+
+    refused = runner._capture_recurring(("probe",), pixels, specs, 1e-6, torch.device("cuda"))
+    assert refused is None and runner.stats.recurring_rejected["slower"] == 1

@@ -356,3 +356,101 @@ def test_a_failing_exact_warm_up_leaves_the_route_off_and_the_runner_serving(qwe
     pixels, specs = make_images(encoder, np.random.default_rng(11), [(500, 500), (500, 500)])
     assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
     assert not runner.stats.last.compiled
+
+
+def test_a_recurring_pack_gets_its_own_exact_layout_graph(qwen3):
+    """The second sighting of a pack (same grids, same order) sets up its own exact-layout entry
+    (its metadata baked in; on CUDA, a captured graph); the third runs through it. Other packs
+    through the shared pixel and output buffers in between do not disturb it; every output
+    matches transformers. Equal segments (dense attention) and unequal ones alike."""
+    encoder, reference = qwen3
+    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=1024, max_items_per_pack=16))
+    rng = np.random.default_rng(12)
+    packs = [make_images(encoder, rng, sizes) for sizes in ([(300, 200), (120, 90), (250, 250)], [(256, 256)] * 3)]
+    other_pixels, other = make_images(encoder, rng, [(400, 380), (64, 64)])
+    for round_ in range(3):
+        for pixels, specs in packs:
+            assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+            assert runner.stats.last.graph and runner.stats.last.recurring == (round_ > 0)
+            assert_matches_reference(reference, other_pixels, other, runner.run(other_pixels, other))
+    stats = runner.stats.snapshot()
+    # `other` recurs too (it runs once per pack); a pack's second run, which sets its entry up,
+    # is served by it: each pack's runs after the first
+    assert stats["recurring_captured"] == 3 and stats["recurring_hits"] == 2 * 2 + 5
+    assert sum(stats["graph_hits"].values()) == 3
+    assert runner.describe()["recurring_graphs"] == 3
+    dense = next(e for e in runner._recurring.values() if e.dense)
+    assert dense.layout.token_budget == sum(s.output_tokens for s in packs[1][1])  # exact: no padding rows
+
+    # the same items in another order are another pack
+    reordered = [packs[0][1][2], packs[0][1][0], packs[0][1][1]]
+    assert tuple(s.grid_thw for s in reordered) not in runner._recurring
+
+
+def test_recurring_graphs_are_bounded_and_can_be_turned_off(qwen3):
+    encoder, reference = qwen3
+    rng = np.random.default_rng(13)
+    a, b = make_images(encoder, rng, [(256, 256)]), make_images(encoder, rng, [(300, 320), (90, 100)])
+    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=512, recurring_graphs=1))
+    for pixels, specs in (a, a, b, b, a, a):
+        assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+    stats = runner.stats.snapshot()
+    # a: captured; b: captured, a evicted; a (seen before): captured again at once, b evicted
+    assert stats["recurring_captured"] == 3 and stats["recurring_evicted"] == 2
+    assert runner.describe()["recurring_graphs"] == 1 and stats["recurring_hits"] == 4
+
+    off = EncoderRunner(encoder, GraphConfig(max_budget_tokens=512, recurring_graphs=0))
+    for pixels, specs in (a, a, a):
+        off.run(pixels, specs)
+    assert off.stats.recurring_captured == 0 and off.stats.graph_hits[64] == 3
+
+    # a pack larger than the largest budget never gets one (it would grow the shared pool)
+    big_pixels, big = make_images(encoder, rng, [(700, 900)])
+    small = EncoderRunner(encoder, GraphConfig(max_budget_tokens=128))
+    for _ in range(3):
+        assert_matches_reference(reference, big_pixels, big, small.run(big_pixels, big))
+    assert small.stats.recurring_captured == 0 and small.stats.eager_fallbacks["oversize"] == 3
+
+
+def test_a_recurring_graph_no_faster_than_the_plan_is_refused_once(qwen3):
+    """Kept only if it replays faster than the route the measured costs pick; a refused pack is
+    not tried again, and is served by its plan."""
+    encoder, reference = qwen3
+    pixels, specs = make_images(encoder, np.random.default_rng(14), [(256, 256), (256, 320)])
+    cheap = runner_with_costs(encoder, lambda budget: 1e-6)  # every graph "replays" in a nanosecond
+    for _ in range(4):
+        assert_matches_reference(reference, pixels, specs, cheap.run(pixels, specs))
+        assert cheap.stats.last.graph and not cheap.stats.last.recurring
+    assert cheap.stats.recurring_rejected == {"slower": 1} and cheap.stats.recurring_captured == 0
+
+    dear = runner_with_costs(encoder, lambda budget: 1e6)
+    for _ in range(3):
+        assert_matches_reference(reference, pixels, specs, dear.run(pixels, specs))
+    assert dear.stats.recurring_captured == 1 and dear.stats.recurring_hits == 2
+    assert 0 < next(iter(dear._recurring.values())).replay_ms < 1e6
+
+
+def test_a_recurring_graph_that_fails_to_set_up_leaves_the_pack_to_its_plan(qwen3):
+    encoder, reference = qwen3
+    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=512))
+
+    def fails_when_dense(pixel_values, metadata, layout, dense_segments=False):
+        if dense_segments:
+            raise RuntimeError("no kernel")
+        return encoder.forward_padded(pixel_values, metadata, layout)
+
+    runner.encoder = WithForward(encoder, fails_when_dense)
+    pixels, specs = make_images(encoder, np.random.default_rng(15), [(256, 256)] * 2)
+    for _ in range(3):
+        assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+    assert runner.stats.recurring_rejected == {"error": 1} and runner.stats.graph_hits[128] == 3
+
+
+class WithForward:
+    """An encoder whose `forward_padded` is replaced (a fault to inject)."""
+
+    def __init__(self, encoder, forward_padded):
+        self._encoder, self.forward_padded = encoder, forward_padded
+
+    def __getattr__(self, name):
+        return getattr(self._encoder, name)
