@@ -136,7 +136,7 @@ def run_probe(compile_: bool, budgets: tuple[int, ...]) -> dict:
     for _ in range(30):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        [(_, entry, metadata)], _ = runner._plan(specs, tokens, fitting_budget(runner.ladder, tokens))
+        [(_, entry, metadata)] = runner._plan(specs, tokens, fitting_budget(runner.ladder, tokens))
         t1 = time.perf_counter()
         runner._fill(entry, pixels, metadata)
         torch.cuda.synchronize()

@@ -14,10 +14,10 @@ for a compile; its cost is measured apart from uncompiled eager's.
 
 A pack that recurs (the same items' grids in the same order, seen `recurring_after` times)
 gets a graph of its own exact layout: no padding rows, equal segments as one dense attention
-batch, position metadata baked into its own small buffers, pixels and outputs in views of the
-shared static buffers, intermediates in the shared pool. It is captured on that request, checked
-against its own warm-up run, timed, and kept (least recently used evicted past
-`recurring_graphs`) only if it replays faster than the route the measured costs would pick.
+batch, position metadata baked into its own input buffers, outputs in views of the shared
+static outputs, intermediates in the shared pool. That request runs by its plan, timed; then
+the graph is captured, checked against its own warm-up run, timed the same way, and kept
+(least recently used evicted past `recurring_graphs`) only if it beat the plan on that pack.
 
 On CPU the same buffers, padding and slicing run through `forward_padded` without graphs,
 so CI covers everything but the capture itself.
@@ -121,8 +121,8 @@ class GraphConfig:
     H100 (Qwen3-VL-8B mixed pack: 41.56 ms vs 39.39 ms, `encoder_bench_qwen3_exact_varlen.md`)."""
     recurring_graphs: int = 16
     """Most graphs of recurring packs' exact layouts kept (least recently used evicted); 0: off.
-    Each costs its metadata buffers (kilobytes to a few MiB) and whatever the shared pool grows
-    by while capturing it (reported)."""
+    Each costs its own input buffers (its pixels and metadata: 19 MiB for 8 x 448x448 of
+    Qwen3-VL) and whatever the shared pool grows by while capturing it (both reported)."""
     recurring_after: int = 2
     """A pack gets its own graph the time its key (items' grids, in order) is seen this often."""
 
@@ -497,11 +497,31 @@ class EncoderRunner:
         if own is not None:
             self._recurring.move_to_end(key)
             return self._run_graph(own, None, pixel_values, specs, output_device)
-        parts, cost = self._plan(specs, tokens, budget)
-        if recurring and self._recurs(key, specs):
-            outputs = self._capture_recurring(key, pixel_values, specs, cost, output_device)
-            if outputs is not None:
-                return outputs
+        parts = self._plan(specs, tokens, budget)
+        if not (recurring and self._recurs(key, specs)):
+            return self._run_plan(parts, pixel_values, specs, budget, tokens, output_device)
+        # The sighting that earns the pack its own graph: run its plan timed, then capture and
+        # time the graph; it is kept only if it beats the plan on this very pack.
+        self._synchronize()
+        start = time.perf_counter()
+        outputs = self._run_plan(parts, pixel_values, specs, budget, tokens, output_device)
+        self._synchronize()
+        self._capture_recurring(key, pixel_values, specs, (time.perf_counter() - start) * 1e3, output_device)
+        return outputs
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _run_plan(
+        self,
+        parts: str | list,
+        pixel_values: torch.Tensor,
+        specs: Sequence[ItemSpec],
+        budget: int | None,
+        tokens: int,
+        output_device: torch.device,
+    ) -> list[ItemOutput]:
         if isinstance(parts, str):
             out, compiled, fell_back = self._forward_exact(pixel_values, specs)
             self.stats.record_eager(parts, budget, tokens, compiled=compiled, recompile_fallback=fell_back)
@@ -574,27 +594,32 @@ class EncoderRunner:
         key: PackKey,
         pixel_values: torch.Tensor,
         specs: Sequence[ItemSpec],
-        estimate_ms: float,
+        plan_ms: float,
         output_device: torch.device,
-    ) -> list[ItemOutput] | None:
-        """Capture (CUDA) or set up (CPU) the pack's own exact-layout graph and run this request
-        through it; None (the caller runs its plan) where it is refused: too little free memory,
-        a capture error, a result that disagrees with its own warm-up run, or a replay no faster
-        than `estimate_ms` (the plan's measured cost). A refused key is never tried again. Where
-        the compiled forward would need a compile, the uncompiled forward is captured instead."""
+    ) -> None:
+        """Capture (CUDA) or set up (CPU) the pack's own exact-layout graph. Refused, and the key
+        never tried again: too little free memory, a capture error, a result that disagrees with
+        its own warm-up run, or (where costs are measured: graphs on) a run no faster than
+        `plan_ms`, the plan's time on this pack, timed the same way (copy in, replay, copy out).
+        Where the compiled forward would need a compile, the uncompiled forward is captured.
+
+        Its inputs are its own plain tensors, as the compiled exact route's are (dynamo guards on
+        whether an input is a view: views of the shared buffers would miss that compile)."""
         capture = self._pool is not None  # as the budgets' graphs were (CUDA, `cuda_graphs`)
         if capture and torch.cuda.mem_get_info(self.device)[0] < RECURRING_MIN_FREE:
             self._reject_recurring(key, "memory")
-            return None
+            return
         layout = self.encoder.exact_layout(specs)
-        rows = layout.token_budget * self.encoder.merge_unit
-        meta_specs = self.encoder.metadata_specs(layout)
-        meta = StaticBuffers([meta_specs], self.device)
-        pixel_spec = {"pixel_values": TensorSpec((rows, self.encoder.patch_dim), self.encoder.dtype)}
+        tokens = layout.token_budget
+        with torch.inference_mode(False):  # not inference tensors, whatever the caller's mode
+            inputs = {
+                name: torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
+                for name, spec in self._input_specs(layout).items()
+            }
         entry = GraphEntry(
-            (layout.token_budget, layout.max_seqlen),
+            (tokens, layout.max_seqlen),
             layout,
-            {**self._inputs.views(pixel_spec), **meta.views(meta_specs)},
+            inputs,
             self._outputs.views(self._output_specs(layout)),
             dense=len({s.frame_patches for s in specs}) == 1,
             recurring=True,
@@ -613,35 +638,36 @@ class EncoderRunner:
             error = max(relative_error(entry.outputs[name], want) for name, want in expected.items())
         except Exception as exc:  # an optimisation: the pack still runs by its plan
             self._reject_recurring(key, "error", f"{type(exc).__name__}: {exc}")
-            if capture:
-                torch.cuda.synchronize(self.device)
-            return None
+            self._synchronize()
+            return
         if not math.isfinite(error) or error > self.config.self_check_tolerance:
             self._reject_recurring(key, "mismatch", f"{error:.3g} against its warm-up run")
-            return None
-        if math.isfinite(estimate_ms) and estimate_ms > 0:
-            entry.replay_ms = time_ms(lambda: self._execute(entry), self.device, repeats=3, warmup=0)
-            if entry.replay_ms >= estimate_ms:
-                self._reject_recurring(key, "slower", f"{entry.replay_ms:.2f} ms >= {estimate_ms:.2f} ms planned")
-                return None
+            return
+        if self.use_graphs:
+
+            def run_own() -> None:
+                self._fill(entry, pixel_values, None)
+                self._execute(entry)
+                self._take(entry, tokens, output_device)
+
+            entry.replay_ms = time_ms(run_own, self.device, repeats=3, warmup=0)
+            if entry.replay_ms >= plan_ms:
+                self._reject_recurring(key, "slower", f"{entry.replay_ms:.2f} ms >= {plan_ms:.2f} ms by its plan")
+                return
         if capture:
             grown = pool_reserved_bytes(self._pool, self.device) - pool_before
-            self.memory.recurring_bytes += meta.nbytes + grown
+            self.memory.recurring_bytes += sum(t.numel() * t.element_size() for t in inputs.values()) + grown
         self._recurring[key] = entry
         self.stats.recurring_captured += 1
         while len(self._recurring) > self.config.recurring_graphs:
             self._recurring.popitem(last=False)
             self.stats.recurring_evicted += 1
-        tokens = layout.token_budget
-        out, _ = self._take(entry, tokens, output_device)
-        self.stats.record_graph(fitting_budget(self.ladder, tokens), tokens, recurring=True)
-        return self._split(out, specs)
 
     def _recurring_stance(self, entry: GraphEntry):
         """No compile on a request: the compiled forward raises where it would need one."""
-        if entry.forward is self.encoder.forward_padded:
-            return contextlib.nullcontext()
-        return torch.compiler.set_stance("fail_on_recompile")
+        if self._compiled and entry.forward is self._forward:
+            return torch.compiler.set_stance("fail_on_recompile")
+        return contextlib.nullcontext()
 
     def _warm_recurring(self, entry: GraphEntry) -> dict[str, torch.Tensor]:
         """Run the entry once outside capture (kernel selection, workspaces; on a side stream on
@@ -683,19 +709,19 @@ class EncoderRunner:
         return None
 
     def _plan(self, specs: Sequence[ItemSpec], tokens: int, budget: int | None):
-        """How to run a pack, from the costs measured at startup, and its estimated ms (inf where
-        nothing was measured): a list of (item indices, entry, metadata) parts (one graph, or the
-        pack split over smaller graphs), or the reason to run eagerly."""
+        """How to run a pack, from the costs measured at startup: a list of (item indices, entry,
+        metadata) parts (one graph, or the pack split over smaller graphs), or the reason to run
+        eagerly."""
         if budget is None:
-            return "oversize", math.inf
+            return "oversize"
         longest = max(s.frame_patches for s in specs)
         own = self._entries(budget, longest)
         if not own:
-            return "no_graph", math.inf
+            return "no_graph"
         whole = list(range(len(specs)))
         if not self.use_graphs:  # CPU: no costs to compare; the static buffers run every pack that fits
             single = self._place(specs, budget)
-            return ([(whole, *single)] if single else "capacity"), math.inf
+            return [(whole, *single)] if single else "capacity"
         best: str | list = "cost"
         cost = self._eager_estimate_ms(own[0], tokens)
         if self._compiles_exact(specs):
@@ -716,8 +742,7 @@ class EncoderRunner:
             # price the graphs it really lands in.
             if all(placed) and sum(_replay_cost(entry) for entry, _ in placed) < cost:
                 best = [(indices, *where) for (indices, _, _), where in zip(split, placed)]
-                cost = sum(_replay_cost(entry) for entry, _ in placed)
-        return best, cost
+        return best
 
     def _split_plan(self, specs: Sequence[ItemSpec], budget: int) -> list[tuple[list[int], int, int]] | None:
         """The pack's items first-fit-decreasing into packs of the next smaller budget: [(item

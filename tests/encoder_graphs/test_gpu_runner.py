@@ -185,6 +185,9 @@ def test_compiled_exact_route_serves_unseen_shapes_without_compiling(encoder, re
             outputs = runner.run(pixels, specs)
         for ours, theirs in item_errors(references, pixels, specs, outputs):
             assert ours <= 1.5 * theirs + 1e-3, (sizes, ours, theirs)
+        own = runner._recurring.get(tuple(s.grid_thw for s in specs))
+        if own is not None and runner._compiles_exact(specs):  # the exact route's compile serves it
+            assert own.forward is runner._forward
     stats = runner.stats.snapshot()
     assert stats["recurring_captured"] + sum(stats["recurring_rejected"].values()) == 2, stats
     assert counters["stats"]["unique_graphs"] == compiled_graphs
@@ -214,5 +217,5 @@ def test_recurring_pack_gets_its_own_graph_and_matches_transformers(encoder, run
         assert entry.dense == (len(set(sizes)) == 1) and 0 < entry.replay_ms < padded
     assert runner.stats.recurring_captured == captured + 2
 
-    refused = runner._capture_recurring(("probe",), pixels, specs, 1e-6, torch.device("cuda"))
-    assert refused is None and runner.stats.recurring_rejected["slower"] == 1
+    runner._capture_recurring(("probe",), pixels, specs, 1e-6, torch.device("cuda"))  # a plan taking 1 ns
+    assert runner.stats.recurring_rejected["slower"] == 1 and ("probe",) not in runner._recurring
