@@ -11,8 +11,8 @@ We register our own function under such a name:
   2.11 (see below), so it is opt-in until it is proven capturable. Every segment,
   padding included, must be <= `max_seqlen` or the result is silently wrong; callers
   guarantee it (see `models/layout.py`).
-- CUDA, equal segments (unpadded exact layouts only, eager or compiled, never in a graph; from
-  the `dense_segments` hint): the rows are a dense
+- CUDA, equal segments (unpadded exact layouts only: eager, compiled, or a recurring pack's own
+  graph; from the `dense_segments` hint): the rows are a dense
   `[count, heads, length, dim]` batch; SDPA with cuDNN first. On an H100 (torch 2.11, cuDNN
   9.19, Qwen3-VL's 16 x 72 heads) cuDNN runs one 12544-patch image at 388 TFLOP/s where the
   FlashAttention-2 varlen kernel runs 238 (`benchmarks/results/qwen3_probe.json`). cuDNN's own
@@ -33,8 +33,8 @@ from transformers import AttentionInterface
 ATTN_IMPLEMENTATION = "flash_varlen_encoder"
 DENSE_SEGMENTS = "dense_segments"
 """Keyword (passed through the tower to attention) carrying a `DenseSegments` hint; set only by
-unpadded exact-layout forwards (eager, or the runner's compiled exact route), never inside a
-captured graph."""
+unpadded exact-layout forwards (eager, the runner's compiled exact route, or a recurring pack's
+own graph of its exact layout), never a padded budget graph."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -154,7 +154,7 @@ class VisionEncoder(Protocol):
         """Static-shape forward over `token_budget * merge_unit` pixel rows. No host sync:
         safe to capture in one CUDA graph once the metadata lives in static buffers.
         `dense_segments`: the rows are unpadded segments all `layout.max_seqlen` long, so
-        attention may run them as a dense batch (exact layouts only, never in a graph)."""
+        attention may run them as a dense batch (exact layouts only, never a padded budget graph)."""
         ...
 
     def forward_eager(

@@ -287,8 +287,8 @@ class QwenVisionEncoder:
         dense_segments: bool = False,
     ) -> EncoderOutput:
         """`dense_segments`: the pack is unpadded and its segments are all `layout.max_seqlen`
-        long (exact layouts only: eager or the runner's compiled exact route, never in a graph),
-        so attention may run them as a dense batch."""
+        long (exact layouts only: eager, the compiled exact route, or a recurring pack's own
+        graph; never a padded budget graph), so attention may run them as a dense batch."""
         kwargs = self._tower_kwargs(metadata, layout)
         if dense_segments:
             hint = attention.DenseSegments(layout.max_seqlen, metadata["cu_seqlens"])
