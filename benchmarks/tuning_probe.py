@@ -9,7 +9,15 @@ CUDA graph (the runner's shape graphs), and is timed by replay. Configurations:
 - coordinate_descent: `torch._inductor.config.coordinate_descent_tuning = True` (Triton
   block sizes / warps searched per kernel on its first shapes: layer norms, rotary, copies);
 - max_autotune: `mode="max-autotune-no-cudagraphs"` (Triton matmul templates benchmarked
-  against cuBLAS too; much longer compiles).
+  against cuBLAS too; much longer compiles; not run so far);
+- multi_kernel: `triton.multi_kernel = 1` (persistent and looped reductions both generated,
+  the faster picked by benchmark);
+- persistent: inductor heuristics that make row reductions of up to 2048 columns persistent
+  (one pass over each row; the default stops at 1024, below the towers' 1152 / 1280).
+
+Results (H100, 2026-11-22): `tuning_probe_run1.json` (default vs coordinate_descent) and
+`tuning_probe.json` (persistent, multi_kernel, default): every variant within the spread of
+the same default graph between the two runs (4-5%).
 Prints a table of replay ms and MFU per (config, case), with compile seconds and the error
 against the uncompiled eager forward.
 """

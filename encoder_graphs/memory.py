@@ -95,8 +95,8 @@ class MemoryReport:
     """Growth of the shared graph pool while capturing each (token_budget, max_seqlen) graph."""
     peak_allocated_bytes: int = 0
     recurring_bytes: int = 0
-    """Recurring packs' graphs: their metadata buffers plus the shared pool's growth while
-    capturing them (cumulative: the pool keeps what it grew by after an eviction)."""
+    """Recurring packs' graphs: their own input buffers (pixels and metadata) plus the shared
+    pool's growth while capturing them (cumulative: not given back on eviction)."""
 
     @property
     def pool_bytes(self) -> int:

@@ -121,8 +121,8 @@ class GraphConfig:
     H100 (Qwen3-VL-8B mixed pack: 41.56 ms vs 39.39 ms, `encoder_bench_qwen3_exact_varlen.md`)."""
     recurring_graphs: int = 16
     """Most graphs of recurring packs' exact layouts kept (least recently used evicted); 0: off.
-    Each costs its own input buffers (its pixels and metadata: 19 MiB for 8 x 448x448 of
-    Qwen3-VL) and whatever the shared pool grows by while capturing it (both reported)."""
+    Each costs its own input buffers (its pixels and metadata: ~18 MiB for 8 x 448x448 of
+    Qwen3-VL-8B) and whatever the shared pool grows by while capturing it (both reported)."""
     recurring_after: int = 2
     """A pack gets its own graph the time its key (items' grids, in order) is seen this often."""
 
@@ -148,13 +148,18 @@ class GraphEntry:
     forward: Callable[..., EncoderOutput] | None = None
     """The forward captured (None: the runner's); a recurring pack's graph may hold the
     uncompiled one where the compiled forward would have needed a compile."""
-    recurring: bool = False
-    """A recurring pack's own graph (exact layout, metadata baked in), not a budget's."""
+    pack: PackKey | None = None
+    """Set on a recurring pack's own graph (exact layout, metadata baked in): that pack's key."""
+
+    @property
+    def recurring(self) -> bool:
+        return self.pack is not None
 
 
 @contextlib.contextmanager
 def _exact_state():
-    """The global state every compiled exact-layout call runs in, whatever the caller's. Dynamo
+    """The global state every compiled call runs in (budget graphs' capture, the exact route, a
+    recurring pack's graph), whatever the caller's. Dynamo
     guards on global state such as grad mode: the deployment's worker thread runs with grad
     on, the benchmark under `inference_mode` (grad off); either would miss a compile made in
     the other state. Not inference mode itself: compiling views under it fails on torch 2.11
@@ -465,10 +470,8 @@ class EncoderRunner:
 
     def _disable(self, entry: GraphEntry, why: str) -> None:
         if entry.recurring:
-            key = next((k for k, e in self._recurring.items() if e is entry), None)
-            if key is not None:
-                del self._recurring[key]
-                self._reject_recurring(key, "nonfinite", why)
+            self._recurring.pop(entry.pack, None)
+            self._reject_recurring(entry.pack, "nonfinite", why)
             return
         entry.enabled = False
         self.stats.disabled_graphs += 1
@@ -622,7 +625,7 @@ class EncoderRunner:
             inputs,
             self._outputs.views(self._output_specs(layout)),
             dense=len({s.frame_patches for s in specs}) == 1,
-            recurring=True,
+            pack=key,
         )
         self._fill(entry, pixel_values, self.encoder.pack_metadata(specs, layout))
         pool_before = pool_reserved_bytes(self._pool, self.device) if capture else 0

@@ -467,3 +467,46 @@ class WithForward:
 
     def __getattr__(self, name):
         return getattr(self._encoder, name)
+
+
+class Flaky:
+    """A padded forward whose output can be scaled (x2 on every other call, or NaN) on demand."""
+
+    def __init__(self, encoder):
+        self.encoder, self.calls, self.alternate, self.nan = encoder, 0, False, False
+
+    def __call__(self, pixel_values, metadata, layout, dense_segments=False):
+        self.calls += 1
+        out = self.encoder.forward_padded(pixel_values, metadata, layout, dense_segments)
+        if self.nan or (self.alternate and self.calls % 2 == 0):
+            out.tokens = out.tokens * (float("nan") if self.nan else 2.0)
+        return out
+
+
+def test_a_recurring_graph_that_disagrees_or_turns_nonfinite_is_dropped_and_the_pack_served(qwen3):
+    """A pack's own graph that disagrees with its own warm-up run is refused ("mismatch"); one kept
+    that later returns NaN/inf is dropped at run time ("nonfinite"), that pack is recomputed
+    eagerly, and neither pack is tried again."""
+    encoder, reference = qwen3
+    rng = np.random.default_rng(16)
+    pixels, specs = make_images(encoder, rng, [(256, 256), (256, 320)])
+    flaky = Flaky(encoder)
+    runner = runner_with_costs(encoder, lambda budget: 1e6)  # graphs on (finite checks), own graphs pay
+    runner.encoder = WithForward(encoder, flaky)  # what a pack's own graph runs; the budgets' stay sound
+
+    flaky.alternate = True  # warm-up and replay disagree
+    for _ in range(4):
+        assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+    assert runner.stats.recurring_rejected == {"mismatch": 1} and not runner._recurring
+
+    flaky.alternate = False
+    other_pixels, other = make_images(encoder, rng, [(300, 300)])
+    for _ in range(3):
+        runner.run(other_pixels, other)
+    assert runner.stats.last.recurring and len(runner._recurring) == 1
+    flaky.nan = True
+    for _ in range(3):
+        assert_matches_reference(reference, other_pixels, other, runner.run(other_pixels, other))
+        assert not runner.stats.last.recurring
+    assert runner.stats.recurring_rejected == {"mismatch": 1, "nonfinite": 1} and not runner._recurring
+    assert runner.stats.eager_fallbacks["nonfinite"] == 1
