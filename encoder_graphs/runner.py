@@ -7,14 +7,15 @@ that holds the pack's longest frame, copies the pack into that graph's static bu
 overwrite them. It runs eagerly instead when the pack is larger than every budget, when
 no graph fits (or the CPU, where there are no graphs), or when the costs measured at
 startup say eager is faster for a pack of this size. "Eagerly" means on the pack's exact
-layout (no padding rows). With `compile` (and `compile_exact`), a pack whose attention
-segments are all equal (one image, a video, same-size images) runs there through the same
-compiled forward as the graphs, as a dense batch, warmed at startup so that no request pays
-for a compile; its cost is measured apart from uncompiled eager's.
+layout (no padding rows). With `compile` (and `compile_exact`), such a pack runs there
+through the same compiled forward as the graphs, each run of equal attention segments (one
+image, a video, same-size images) as a dense batch (at most `attention.MAX_GROUPS` runs),
+warmed at startup so that no request pays for a compile; its cost is measured apart from
+uncompiled eager's.
 
 A pack that recurs (the same items' grids in the same order, seen `recurring_after` times)
-gets a graph of its own exact layout: no padding rows, equal segments as one dense attention
-batch, position metadata baked into its own input buffers, outputs in views of the shared
+gets a graph of its own exact layout: no padding rows, each run of equal segments as one dense
+attention batch, position metadata baked into its own input buffers, outputs in views of the shared
 static outputs, intermediates in the shared pool. That request runs by its plan, timed; then
 the graph is captured, checked against its own warm-up run, timed the same way, and kept
 (least recently used evicted past `recurring_graphs`) only if it beat the plan on that pack.
@@ -35,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from models import attention
+from models.layout import segment_lengths
 from models.protocol import (
     EncoderOutput,
     ItemOutput,
@@ -143,8 +146,9 @@ class GraphEntry:
     exact_ms: float = math.nan
     """Compiled exact-layout forward of the self-check pack's equal items, scaled to the budget."""
     self_check_error: float = math.nan
-    dense: bool = False
-    """Exact layout of equal segments: attention runs them as one dense batch (recurring packs)."""
+    segments: tuple[int, ...] | None = None
+    """Set on an exact layout (a recurring pack's): its attention segment lengths, with which
+    attention runs each run of equal segments as one dense batch."""
     forward: Callable[..., EncoderOutput] | None = None
     """The forward captured (None: the runner's); a recurring pack's graph may hold the
     uncompiled one where the compiled forward would have needed a compile."""
@@ -154,6 +158,11 @@ class GraphEntry:
     @property
     def recurring(self) -> bool:
         return self.pack is not None
+
+    @property
+    def dense(self) -> bool:
+        """An exact layout of equal segments: attention is one dense batch."""
+        return self.segments is not None and len(set(self.segments)) == 1
 
 
 @contextlib.contextmanager
@@ -343,11 +352,13 @@ class EncoderRunner:
         progress(f"compiled the exact-layout forward in {time.perf_counter() - start:.1f} s")
 
     def _compiles_exact(self, specs: Sequence[ItemSpec]) -> bool:
-        """Whether the compiled forward runs this pack on its exact layout: equal segments only,
-        no smaller than the smallest pack its compile was seen to hold for."""
+        """Whether the compiled forward runs this pack on its exact layout: attention as dense
+        batches (at most `attention.MAX_GROUPS` runs of equal segments; more would run the
+        varlen kernel, which its measured cost does not cover), no smaller than the smallest
+        pack its compile was seen to hold for."""
         return (
             self._exact_compiled
-            and len({s.frame_patches for s in specs}) == 1
+            and len(attention.segment_groups(segment_lengths(specs))) <= attention.MAX_GROUPS
             and sum(s.input_patches for s in specs) >= self._exact_min_rows
         )
 
@@ -383,11 +394,12 @@ class EncoderRunner:
     def _forward_into_outputs(self, entry: GraphEntry) -> None:
         metadata = {name: t for name, t in entry.inputs.items() if name != "pixel_values"}
         forward = entry.forward or self._forward
-        dense = (True,) if entry.dense else ()
+        exact = entry.segments is not None
+        lengths = attention.exact_segments(entry.segments) if exact else contextlib.nullcontext()
         # One fixed global state for every compiled call (see `_exact_state`): a recurring pack's
         # graph, captured on a request, then finds the compile the budget graphs made at startup.
-        with _exact_state():
-            out = forward(entry.inputs["pixel_values"], metadata, entry.layout, *dense)
+        with _exact_state(), lengths:
+            out = forward(entry.inputs["pixel_values"], metadata, entry.layout, *((True,) if exact else ()))
         entry.outputs["tokens"].copy_(out.tokens)
         finite = torch.isfinite(out.tokens).all(dim=-1)
         if out.deepstack is not None:
@@ -624,7 +636,7 @@ class EncoderRunner:
             layout,
             inputs,
             self._outputs.views(self._output_specs(layout)),
-            dense=len({s.frame_patches for s in specs}) == 1,
+            segments=tuple(segment_lengths(specs)),
             pack=key,
         )
         self._fill(entry, pixel_values, self.encoder.pack_metadata(specs, layout))

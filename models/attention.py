@@ -11,19 +11,27 @@ We register our own function under such a name:
   2.11 (see below), so it is opt-in until it is proven capturable. Every segment,
   padding included, must be <= `max_seqlen` or the result is silently wrong; callers
   guarantee it (see `models/layout.py`).
-- CUDA, equal segments (unpadded exact layouts only: eager, compiled, or a recurring pack's own
-  graph; from the `dense_segments` hint): the rows are a dense
-  `[count, heads, length, dim]` batch; SDPA with cuDNN first. On an H100 (torch 2.11, cuDNN
-  9.19, Qwen3-VL's 16 x 72 heads) cuDNN runs one 12544-patch image at 388 TFLOP/s where the
-  FlashAttention-2 varlen kernel runs 238 (`benchmarks/results/qwen3_probe.json`). cuDNN's own
-  varlen form could not be captured in a CUDA graph there.
+- CUDA, exact layouts (unpadded: eager, the runner's compiled exact route, or a recurring
+  pack's own graph; from the `exact_segments` hint): consecutive segments of equal length are
+  dense `[count, heads, length, dim]` batches, each run by SDPA with cuDNN first. On an H100
+  (torch 2.11, cuDNN 9.19, Qwen3-VL's 16 x 72 heads) cuDNN runs one 12544-patch image at 388
+  TFLOP/s where the FlashAttention-2 varlen kernel runs 238 (`benchmarks/results/qwen3_probe.json`);
+  cuDNN's own varlen form could not be captured in a CUDA graph there. The segment lengths
+  come from the host (`exact_segments(...)`, set by the caller around the forward, like
+  vLLM's forward context) and are read inside an opaque custom op, so torch.compile sees no
+  lengths: one compile serves equal and unequal packs alike, with no guard on any length.
+  Without lengths set, or with lengths that do not match the rows, it is the varlen kernel.
 - CPU: scaled dot-product attention per segment, exact in float32. It reads the segment
-  lengths on the host, which is free on CPU (there are no CUDA graphs to break).
+  lengths on the host, which is free on CPU (there are no CUDA graphs to break). Exact layouts
+  take the same grouped op as on CUDA (SDPA's CPU kernels), so CI covers its grouping.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -31,33 +39,69 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ATTN_IMPLEMENTATION = "flash_varlen_encoder"
-DENSE_SEGMENTS = "dense_segments"
-"""Keyword (passed through the tower to attention) carrying a `DenseSegments` hint; set only by
+EXACT_SEGMENTS = "exact_segments"
+"""Keyword (passed through the tower to attention) carrying an `ExactSegments` hint; set only by
 unpadded exact-layout forwards (eager, the runner's compiled exact route, or a recurring pack's
 own graph of its exact layout), never a padded budget graph."""
+MAX_GROUPS = 8
+"""At most this many runs of equal segments are attended to as dense batches; a pack of more
+runs (sizes interleaved) keeps the one varlen kernel: outside a CUDA graph each run is a launch."""
 
 
 @dataclass(frozen=True, eq=False)
-class DenseSegments:
-    """The rows are segments of `length` each, as laid out by exactly this `cu_seqlens` tensor.
+class ExactSegments:
+    """The rows are unpadded segments, laid out by exactly this `cu_seqlens` tensor.
 
     Attention uses the hint only when called with that very tensor, so layers attending over
-    other segments (Qwen2.5-VL's windows) keep the varlen kernel. The segment count is not
-    carried: it follows from the rows (`rows // length`), so the hint adds no specialisation of
-    its own under torch.compile (dynamo specialises an int argument equal to 1). One image and
-    several are still two compiles for Qwen2.5-VL and Qwen3-VL: their position metadata
-    specialises one image (recompile logs in `benchmarks/results/README.md`)."""
+    other segments (Qwen2.5-VL's windows) keep the varlen kernel. It carries no length (see
+    `exact_segments`): nothing in it specialises a compile."""
 
-    length: int
     cu_seqlens: torch.Tensor
 
     def applies(self, cu_seqlens: torch.Tensor) -> bool:
         return cu_seqlens is self.cu_seqlens
 
 
-dense_hint_hits = 0
-"""Attention calls that found their `DenseSegments` hint applicable (dense kernel on CUDA;
-CPU keeps exact per-segment SDPA). Lets CPU tests check the hint reaches the right layers."""
+_lengths: ContextVar[tuple[int, ...] | None] = ContextVar("exact_segment_lengths", default=None)
+
+
+@contextlib.contextmanager
+def exact_segments(lengths: Sequence[int]) -> Iterator[None]:
+    """The segment lengths (host ints, in row order) of the exact-layout forward run inside.
+    Read at run time by the attention op, so in a CUDA graph they are baked at capture."""
+    token = _lengths.set(tuple(int(n) for n in lengths))
+    try:
+        yield
+    finally:
+        _lengths.reset(token)
+
+
+def segment_groups(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive equal lengths as `(count, length)`, in order; empty segments dropped."""
+    groups: list[tuple[int, int]] = []
+    for length in lengths:
+        if length <= 0:
+            continue
+        if groups and groups[-1][1] == length:
+            groups[-1] = (groups[-1][0] + 1, length)
+        else:
+            groups.append((1, length))
+    return groups
+
+
+def _groups_for(rows: int, segments: int) -> list[tuple[int, int]] | None:
+    """The current lengths' groups when they describe these rows and this many segments and
+    are few enough; else None (the varlen kernel)."""
+    lengths = _lengths.get()
+    if lengths is None or len(lengths) != segments or sum(lengths) != rows:
+        return None
+    groups = segment_groups(lengths)
+    return groups if 0 < len(groups) <= MAX_GROUPS else None
+
+
+exact_hint_hits = 0
+"""Attention calls that found their `ExactSegments` hint applicable (grouped dense kernels on
+CUDA; CPU keeps exact per-segment SDPA). Lets CPU tests check the hint reaches the right layers."""
 BACKENDS = ("auto", "flash")
 DEFAULT_BACKEND = "flash"
 _backend = DEFAULT_BACKEND
@@ -87,15 +131,47 @@ def _varlen_cuda(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None) -> t
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale)
 
 
-def _dense_cuda(q, k, v, length: int, scale: float | None) -> torch.Tensor:
+def _dense(q, k, v, length: int, scale: float) -> torch.Tensor:
+    """`[count * length, heads, dim]` rows as one dense `[count, heads, length, dim]` batch
+    (strided views, no copy in). CUDA: cuDNN first, which allocates its output in q's layout,
+    so the result is a view too. CPU: SDPA's own choice, exact in float32."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    count, heads, dim = q.shape[0] // length, q.shape[1], q.shape[2]
-    batch = [t.view(count, length, heads, dim).transpose(1, 2) for t in (q, k, v)]
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-    with sdpa_kernel(order, set_priority=True):
+    batch = [t.unflatten(0, (t.shape[0] // length, length)).transpose(1, 2) for t in (q, k, v)]
+    if q.is_cuda:
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+        with sdpa_kernel(order, set_priority=True):
+            out = F.scaled_dot_product_attention(*batch, scale=scale)
+    else:
         out = F.scaled_dot_product_attention(*batch, scale=scale)
-    return out.transpose(1, 2).reshape(count * length, heads, dim)
+    return out.transpose(1, 2).flatten(0, 1)
+
+
+@torch.library.custom_op("vlm_encoder::exact_attention", mutates_args=())
+def exact_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
+) -> torch.Tensor:
+    """Attention over an exact layout's segments: each run of equal segments (lengths from
+    `exact_segments`) as one dense batch (cuDNN on CUDA); where no lengths match, the varlen
+    kernel (CUDA) or per-segment SDPA (CPU). Opaque to torch.compile: the lengths are read
+    here, at run time (at capture, in a CUDA graph), never traced."""
+    groups = _groups_for(q.shape[0], cu_seqlens.shape[0] - 1)
+    if groups is None:
+        if q.is_cuda:
+            return _varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale)
+        return _segmented_sdpa(q, k, v, cu_seqlens, scale)
+    outs, start = [], 0
+    for count, length in groups:
+        end = start + count * length
+        outs.append(_dense(q[start:end], k[start:end], v[start:end], length, scale))
+        start = end
+    # A fresh tensor either way: a custom op's output may not alias its inputs.
+    return outs[0].contiguous() if len(outs) == 1 else torch.cat(outs)
+
+
+@exact_attention.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, scale):
+    return torch.empty_like(q)
 
 
 def _segmented_sdpa(q, k, v, cu_seqlens, scale: float | None) -> torch.Tensor:
@@ -128,15 +204,16 @@ def varlen_attention_forward(
     if cu_seq_lens_q is None or max_length_q is None:
         raise ValueError(f"{ATTN_IMPLEMENTATION} needs cu_seqlens and an integer max_seqlen")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    dense = kwargs.get(DENSE_SEGMENTS)
-    use_dense = dense is not None and dense.applies(cu_seq_lens_q)
-    if use_dense and not torch.compiler.is_compiling():
+    exact = kwargs.get(EXACT_SEGMENTS)
+    use_exact = exact is not None and exact.applies(cu_seq_lens_q)
+    if use_exact and not torch.compiler.is_compiling():
         # Not counted under torch.compile: dynamo guards on a global int it reads, so each
         # increment would invalidate the compiled forward and recompile it on the next call.
-        global dense_hint_hits
-        dense_hint_hits += 1
-    if q.is_cuda and use_dense:
-        out = _dense_cuda(q, k, v, dense.length, scaling)
+        global exact_hint_hits
+        exact_hint_hits += 1
+    if use_exact:
+        scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+        out = exact_attention(q, k, v, cu_seq_lens_q, int(max_length_q), scale)
     elif q.is_cuda:
         out = _varlen_cuda(q, k, v, cu_seq_lens_q, int(max_length_q), scaling)
     else:

@@ -67,3 +67,8 @@ def pad_rows(values: torch.Tensor, total: int, fill: float | int = 0) -> torch.T
 def cat_rows(pieces: Sequence[torch.Tensor], width: int, dtype: torch.dtype) -> torch.Tensor:
     """Concatenate per-item row blocks; an empty pack gives `[0, width]`."""
     return torch.cat(list(pieces)) if pieces else torch.zeros((0, width), dtype=dtype)
+
+
+def segment_lengths(specs) -> list[int]:
+    """Attention segment lengths of items in pack order: one per frame (temporal patch)."""
+    return [s.frame_patches for s in specs for _ in range(s.grid_thw[0])]

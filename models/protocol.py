@@ -149,12 +149,13 @@ class VisionEncoder(Protocol):
         pixel_values: torch.Tensor,
         metadata: Mapping[str, torch.Tensor],
         layout: PackLayout,
-        dense_segments: bool = False,
+        exact_segments: bool = False,
     ) -> EncoderOutput:
         """Static-shape forward over `token_budget * merge_unit` pixel rows. No host sync:
         safe to capture in one CUDA graph once the metadata lives in static buffers.
-        `dense_segments`: the rows are unpadded segments all `layout.max_seqlen` long, so
-        attention may run them as a dense batch (exact layouts only, never a padded budget graph)."""
+        `exact_segments`: the rows are unpadded segments whose lengths the caller set with
+        `models.attention.exact_segments`, so attention may run each run of equal ones as a
+        dense batch (exact layouts only, never a padded budget graph)."""
         ...
 
     def forward_eager(

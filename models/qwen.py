@@ -23,7 +23,7 @@ from transformers.activations import GELUTanh
 from transformers.vision_utils import get_vision_position_ids
 
 from . import attention
-from .layout import cat_rows, pad_rows, padded_cu_seqlens
+from .layout import cat_rows, pad_rows, padded_cu_seqlens, segment_lengths
 from .processing import ResizeRules, VisionPreprocessor
 from .protocol import EncoderOutput, ItemSpec, PackCapacityError, PackLayout, TensorSpec
 
@@ -259,7 +259,7 @@ class QwenVisionEncoder:
         used = sum(s.input_patches for s in specs)
         if used > rows:
             raise PackCapacityError(f"{used} patches exceed the layout's {rows}")
-        lengths = [s.frame_patches for s in specs for _ in range(s.grid_thw[0])]
+        lengths = segment_lengths(specs)
         position_ids = cat_rows([_position_ids(s.grid_thw, self.spatial_merge_size) for s in specs], 2, torch.int64)
         return {
             "position_ids": pad_rows(position_ids, rows),
@@ -284,15 +284,15 @@ class QwenVisionEncoder:
         pixel_values: torch.Tensor,
         metadata: Mapping[str, torch.Tensor],
         layout: PackLayout,
-        dense_segments: bool = False,
+        exact_segments: bool = False,
     ) -> EncoderOutput:
-        """`dense_segments`: the pack is unpadded and its segments are all `layout.max_seqlen`
-        long (exact layouts only: eager, the compiled exact route, or a recurring pack's own
-        graph; never a padded budget graph), so attention may run them as a dense batch."""
+        """`exact_segments`: the pack is unpadded (exact layouts only: eager, the compiled exact
+        route, or a recurring pack's own graph; never a padded budget graph), so attention over
+        its segments may run each run of equal ones as a dense batch, with the lengths the
+        caller set in `attention.exact_segments` (the varlen kernel where none are set)."""
         kwargs = self._tower_kwargs(metadata, layout)
-        if dense_segments:
-            hint = attention.DenseSegments(layout.max_seqlen, metadata["cu_seqlens"])
-            kwargs[attention.DENSE_SEGMENTS] = hint
+        if exact_segments:
+            kwargs[attention.EXACT_SEGMENTS] = attention.ExactSegments(metadata["cu_seqlens"])
         # no_grad, not inference_mode: torch.compile of views under inference_mode fails in AOT
         # functionalization on torch 2.11 ("RuntimeError: <weakref ... UntypedStorage>",
         # pytorch/pytorch#169477, #180823), which broke `compile: true` on the GPU host.
@@ -311,7 +311,7 @@ class QwenVisionEncoder:
             name: tensor.to(self.device, non_blocking=True)
             for name, tensor in self.pack_metadata(specs, layout).items()
         }
-        # Equal-length segments (one image, a video's frames, same-size images) are a dense batch:
-        # attention may use a dense kernel, known here on the host without a sync.
-        dense = len({s.frame_patches for s in specs}) == 1
-        return (forward or self.forward_padded)(pixel_values.to(self.device), metadata, layout, dense)
+        # The segment lengths, known here on the host without a sync: attention runs each run of
+        # equal segments (one image, a video's frames, same-size images) as a dense batch.
+        with attention.exact_segments(segment_lengths(specs)):
+            return (forward or self.forward_padded)(pixel_values.to(self.device), metadata, layout, True)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from encoder_graphs.budgets import BudgetConfigError, fitting_budget
 from encoder_graphs.runner import MAX_SPLIT, EncoderRunner, GraphConfig, build_ladder
-from models import from_preset
+from models import attention, from_preset
 from models.protocol import ItemSpec
 from tests.helpers import random_image, random_video, reference_item, reference_tower, relative_error
 
@@ -252,8 +252,8 @@ def test_split_plan_places_every_item_once_within_the_smaller_budget(tokens):
 
 
 def test_exact_route_runs_uncompiled_rather_than_compile_on_a_request(qwen3):
-    """With `compile`, packs of equal segments without a graph run through the compiled forward
-    on their exact layout; a pack that would need a new compile runs uncompiled instead (counted), and once that
+    """With `compile`, packs without a graph run through the compiled forward on their exact
+    layout; a pack that would need a new compile runs uncompiled instead (counted), and once that
     shape is compiled off the request path, the compiled forward serves it, whatever the caller's
     grad or inference mode (dynamo guards on grad mode: the GPU benchmark's `inference_mode`
     once sent every such pack down the uncompiled fallback). Dynamo's guards are
@@ -283,8 +283,8 @@ def test_exact_route_runs_uncompiled_rather_than_compile_on_a_request(qwen3):
     assert_matches_reference(reference, pixels, specs, outputs)
 
     pixels, specs = make_images(encoder, np.random.default_rng(8), [(500, 500), (380, 300)])
-    outputs = runner.run(pixels, specs)  # unequal segments: uncompiled, not a fallback
-    assert not runner.stats.last.compiled and runner.stats.recompile_fallbacks == 1
+    outputs = runner.run(pixels, specs)  # unequal segments: the same compile serves them
+    assert runner.stats.last.compiled and runner.stats.recompile_fallbacks == 1
     assert_matches_reference(reference, pixels, specs, outputs)
     torch._dynamo.reset()
 
@@ -295,13 +295,13 @@ def test_a_wrong_compiled_exact_route_is_turned_off_at_startup(qwen3):
     encoder, reference = qwen3
     runner = EncoderRunner(encoder, GraphConfig(budgets=(64, 256)))
 
-    def wrong_when_dense(pixel_values, metadata, layout, dense_segments=False):
-        out = encoder.forward_padded(pixel_values, metadata, layout, dense_segments)
-        if dense_segments:
+    def wrong_when_exact(pixel_values, metadata, layout, exact_segments=False):
+        out = encoder.forward_padded(pixel_values, metadata, layout, exact_segments)
+        if exact_segments:
             out.tokens = out.tokens * float("nan")
         return out
 
-    runner._forward, runner._exact_compiled = wrong_when_dense, True  # as after `_warm_exact`
+    runner._forward, runner._exact_compiled = wrong_when_exact, True  # as after `_warm_exact`
     runner.self_check()
     assert runner.describe()["compiled_exact_route"] is False
     assert all(e.enabled for e in runner.entries.values())
@@ -311,10 +311,11 @@ def test_a_wrong_compiled_exact_route_is_turned_off_at_startup(qwen3):
     assert_matches_reference(reference, pixels, specs, outputs)
 
 
-def test_exact_route_is_priced_and_offered_only_where_measured(qwen3):
-    """With measured costs, an equal-segment pack takes the (compiled) exact route when it beats
-    the graph; an unequal pack, a pack below the size the compile held for, or a budget whose
-    exact cost was not measured (NaN) keeps the graph."""
+def test_exact_route_is_priced_and_offered_only_where_measured(qwen3, monkeypatch):
+    """With measured costs, a pack takes the (compiled) exact route when it beats the graph; a
+    pack of more runs of equal segments than attention batches (`MAX_GROUPS`), a pack below the
+    size the compile held for, or a budget whose exact cost was not measured (NaN) keeps the
+    graph."""
     encoder, reference = qwen3
     runner = runner_with_costs(encoder, lambda budget: 10.0, eager_ms=50.0)
     runner._exact_compiled = True  # the plain forward stands in for the compiled one
@@ -326,6 +327,9 @@ def test_exact_route_is_priced_and_offered_only_where_measured(qwen3):
 
     assert_matches_reference(reference, equal_pixels, equal, runner.run(equal_pixels, equal))
     assert runner.stats.last.eager_reason == "cost" and runner.stats.last.compiled
+    assert_matches_reference(reference, unequal_pixels, unequal, runner.run(unequal_pixels, unequal))
+    assert runner.stats.last.eager_reason == "cost" and runner.stats.last.compiled
+    monkeypatch.setattr(attention, "MAX_GROUPS", 1)
     assert_matches_reference(reference, unequal_pixels, unequal, runner.run(unequal_pixels, unequal))
     assert runner.stats.last.graph
 
@@ -346,12 +350,12 @@ def test_a_failing_exact_warm_up_leaves_the_route_off_and_the_runner_serving(qwe
     runner = EncoderRunner(encoder, GraphConfig(budgets=(64, 256)))
     runner._compiled = True  # as on CUDA with `compile` (on CPU the runner never compiles)
 
-    def fails_when_dense(pixel_values, metadata, layout, dense_segments=False):
-        if dense_segments:
+    def fails_when_exact(pixel_values, metadata, layout, exact_segments=False):
+        if exact_segments:
             raise RuntimeError("inductor failed")
         return encoder.forward_padded(pixel_values, metadata, layout)
 
-    runner._forward = fails_when_dense
+    runner._forward = fails_when_exact
     runner.capture()
     assert runner.describe()["compiled_exact_route"] is False
     assert "compiling the exact-layout route failed" in caplog.text
@@ -447,12 +451,12 @@ def test_a_recurring_graph_that_fails_to_set_up_leaves_the_pack_to_its_plan(qwen
     encoder, reference = qwen3
     runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=512))
 
-    def fails_when_dense(pixel_values, metadata, layout, dense_segments=False):
-        if dense_segments:
+    def fails_when_exact(pixel_values, metadata, layout, exact_segments=False):
+        if exact_segments:
             raise RuntimeError("no kernel")
         return encoder.forward_padded(pixel_values, metadata, layout)
 
-    runner.encoder = WithForward(encoder, fails_when_dense)
+    runner.encoder = WithForward(encoder, fails_when_exact)
     pixels, specs = make_images(encoder, np.random.default_rng(15), [(256, 256)] * 2)
     for _ in range(3):
         assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
@@ -475,9 +479,9 @@ class Flaky:
     def __init__(self, encoder):
         self.encoder, self.calls, self.alternate, self.nan = encoder, 0, False, False
 
-    def __call__(self, pixel_values, metadata, layout, dense_segments=False):
+    def __call__(self, pixel_values, metadata, layout, exact_segments=False):
         self.calls += 1
-        out = self.encoder.forward_padded(pixel_values, metadata, layout, dense_segments)
+        out = self.encoder.forward_padded(pixel_values, metadata, layout, exact_segments)
         if self.nan or (self.alternate and self.calls % 2 == 0):
             out.tokens = out.tokens * (float("nan") if self.nan else 2.0)
         return out

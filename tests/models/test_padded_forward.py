@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -158,27 +160,108 @@ def test_fused_mlps_compute_transformers_mlp_with_the_same_weights(family_setup)
             reference.load_state_dict(original, strict=True)
 
 
-def test_dense_hint_reaches_exactly_the_full_attention_layers(family_setup):
-    """Equal-length eager packs tell attention it may run a dense batch (cuDNN on CUDA); the hint
-    must reach every full-attention layer and no window-attention layer, and never padded packs."""
+def dense_calls(monkeypatch) -> list[tuple[int, int]]:
+    """(count, length) of every dense attention batch run from now on."""
+    calls: list[tuple[int, int]] = []
+    dense = attention._dense
+
+    def spy(q, k, v, length, scale):
+        calls.append((q.shape[0] // length, length))
+        return dense(q, k, v, length, scale)
+
+    monkeypatch.setattr(attention, "_dense", spy)
+    return calls
+
+
+def test_exact_hint_reaches_exactly_the_full_attention_layers(family_setup, monkeypatch):
+    """Exact-layout (eager) packs tell attention their segment lengths: every full-attention layer
+    runs each run of equal segments as one dense batch (cuDNN on CUDA; SDPA here), window layers
+    and padded packs keep per-segment attention, and the outputs are transformers' per item."""
     encoder, reference = family_setup
     config = encoder.tower.config
     full_layers = len(getattr(config, "fullatt_block_indexes", range(config.depth)))
     pre = encoder.preprocessor
     rng = np.random.default_rng(7)
-    resized = [pre.resize_image(random_image(rng, 100, 140)) for _ in range(3)]
+    sizes = ((100, 140), (100, 140), (60, 60), (100, 140))
+    resized = [pre.resize_image(random_image(rng, h, w)) for h, w in sizes]
     specs = [pre.spec("image", 1, *r.shape[-2:]) for r in resized]
     pixels = pre.pixel_values(resized, "image")
-    before = attention.dense_hint_hits
+    calls = dense_calls(monkeypatch)
+    before = attention.exact_hint_hits
     out = encoder.forward_eager(pixels, specs)
-    assert attention.dense_hint_hits - before == full_layers
+    assert attention.exact_hint_hits - before == full_layers
+    lengths = [s.frame_patches for s in specs]
+    assert lengths[0] != lengths[2]
+    assert calls == [(2, lengths[0]), (1, lengths[2]), (1, lengths[3])] * full_layers
     row = token = 0
     for spec in specs:
         expected, _ = reference_item(reference, pixels[row : row + spec.input_patches], spec.grid_thw)
         assert relative_error(out.tokens[token : token + spec.output_tokens], expected) < TOLERANCE
         row, token = row + spec.input_patches, token + spec.output_tokens
-    mixed = [pre.resize_image(random_image(rng, h, w)) for h, w in ((100, 140), (60, 60))]
-    mixed_specs = [pre.spec("image", 1, *r.shape[-2:]) for r in mixed]
-    before = attention.dense_hint_hits
-    encoder.forward_eager(pre.pixel_values(mixed, "image"), mixed_specs)
-    assert attention.dense_hint_hits == before
+
+    calls.clear()  # a padded pack: no hint, no dense batch
+    layout = encoder.pack_layout(1024, 1024, 8)
+    padded = torch.zeros(1024 * encoder.merge_unit, encoder.patch_dim)
+    padded[: pixels.shape[0]] = pixels
+    before = attention.exact_hint_hits
+    encoder.forward_padded(padded, encoder.pack_metadata(specs, layout), layout)
+    assert attention.exact_hint_hits == before and calls == []
+
+
+def test_exact_attention_groups_runs_and_falls_back_where_lengths_do_not_fit(monkeypatch):
+    """The grouped op against per-segment SDPA on the same rows: runs of equal segments as dense
+    batches; lengths that do not describe the rows, none set, or more than MAX_GROUPS runs take the
+    per-segment (varlen) path. The result is the same every way."""
+    torch.manual_seed(0)
+    lengths = [5, 5, 5, 3, 7, 7]
+    q, k, v = (torch.randn(sum(lengths), 2, 8) for _ in range(3))
+    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
+    expected = attention._segmented_sdpa(q, k, v, cu, 0.3)
+    calls = dense_calls(monkeypatch)
+    assert attention.segment_groups([5, 5, 0, 5, 3, 7, 7]) == [(3, 5), (1, 3), (2, 7)]
+    with attention.exact_segments(lengths):
+        got = attention.exact_attention(q, k, v, cu, 7, 0.3)
+    assert calls == [(3, 5), (1, 3), (2, 7)]
+    assert relative_error(got, expected) < 1e-6
+    for wrong in ([5, 5, 5, 3, 7, 6], [5, 5, 5, 3, 14], None):
+        calls.clear()
+        with attention.exact_segments(wrong) if wrong else contextlib.nullcontext():
+            assert relative_error(attention.exact_attention(q, k, v, cu, 7, 0.3), expected) < 1e-6
+        assert calls == []
+    monkeypatch.setattr(attention, "MAX_GROUPS", 2)
+    with attention.exact_segments(lengths):
+        attention.exact_attention(q, k, v, cu, 7, 0.3)
+    assert calls == []
+
+
+def test_one_exact_compile_serves_equal_and_unequal_packs():
+    """The segment lengths never reach torch.compile (the op reads them at run time): once the
+    exact forward is compiled for one image and for several equal ones (the runner's warm-up),
+    packs of unequal segments, other counts and other sizes run without a recompile. Dynamo's
+    guards are the same with the "eager" backend, so this runs on CPU in seconds."""
+    import torch._dynamo
+
+    encoder = from_preset(FAMILY_TINY["qwen3-vl"], seed=1)
+    pre = encoder.preprocessor
+    rng = np.random.default_rng(17)
+    torch._dynamo.reset()
+    compiled = torch.compile(encoder.forward_padded, backend="eager", dynamic=True)
+
+    def run(sizes):
+        resized = [pre.resize_image(random_image(rng, h, w)) for h, w in sizes]
+        specs = [pre.spec("image", 1, *r.shape[-2:]) for r in resized]
+        pixels = pre.pixel_values(resized, "image")
+        out = encoder.forward_eager(pixels, specs, forward=compiled)
+        want = encoder.forward_eager(pixels, specs)
+        assert relative_error(out.tokens, want.tokens) < 1e-5
+
+    try:
+        with torch.no_grad():
+            run([(256, 256)])
+            run([(192, 192)] * 2)
+            with torch.compiler.set_stance("fail_on_recompile"):
+                run([(256, 256), (128, 192), (128, 192)])
+                run([(96, 96), (320, 200), (200, 320), (96, 96), (64, 64)])
+                run([(224, 224)] * 3)
+    finally:
+        torch._dynamo.reset()
