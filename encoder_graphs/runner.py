@@ -113,15 +113,17 @@ class GraphConfig:
     """`torch.compile` the padded forward (dynamic shapes, one compile for every budget)
     before capture. Fuses the tower's elementwise work; costs startup time."""
     compile_exact: bool = True
-    """With `compile`: packs of equal attention segments that run without a graph (larger
-    than every budget, or cheaper unpadded by the measured costs) run through the compiled
-    forward on their exact layout (dense attention), not the transformers modules. Costs two
-    more compiles at startup (one segment, several); the route is checked against eager at
-    startup like the graphs (turned off if wrong) and offered only from the smallest size at
-    which its compile was seen to hold. A pack that would still need a compile runs
-    uncompiled and is counted (`recompile_fallbacks`). Packs of unequal segments keep the
-    uncompiled route: compiled on their exact layout they measured slower than eager on an
-    H100 (Qwen3-VL-8B mixed pack: 41.56 ms vs 39.39 ms, `encoder_bench_qwen3_exact_varlen.md`)."""
+    """With `compile`: packs that run without a graph (larger than every budget, or cheaper
+    unpadded by the measured costs) run through the compiled forward on their exact layout
+    (each run of equal attention segments as one dense batch, at most `attention.MAX_GROUPS`
+    runs), not the transformers modules. Costs two more compiles at startup (one segment,
+    several; the segment lengths are read at run time inside an opaque op, so unequal packs
+    need no compile of their own); the route is checked against eager at startup like the
+    graphs (turned off if wrong) and offered only from the smallest size at which its compile
+    was seen to hold. A pack that would still need a compile runs uncompiled and is counted
+    (`recompile_fallbacks`). Before the grouped op, unequal packs ran the varlen kernel here
+    and measured slower than eager on an H100 (Qwen3-VL-8B mixed pack: 41.56 ms vs 39.39 ms,
+    `encoder_bench_qwen3_exact_varlen.md`); grouped, 26.19 ms (`encoder_bench_qwen3_grouped.md`)."""
     recurring_graphs: int = 16
     """Most graphs of recurring packs' exact layouts kept (least recently used evicted); 0: off.
     Each costs its own input buffers (its pixels and metadata: ~18 MiB for 8 x 448x448 of
@@ -325,9 +327,10 @@ class EncoderRunner:
         )
 
     def _warm_exact(self, progress: Callable[[str], None]) -> None:
-        """Compile the forward for exact layouts now, not on a request: equal segments run as a
-        dense batch, which the padded graphs never do. One segment and several are compiled
-        apart (Qwen3-VL's position interpolation specialises one image).
+        """Compile the forward for exact layouts now, not on a request: attention runs dense
+        batches through the grouped op, which the padded graphs never do. One segment and
+        several are compiled apart (Qwen3-VL's position interpolation specialises one image);
+        several equal segments serve unequal ones too (the lengths are never traced).
 
         The packs are a quarter of the largest budget: the exact route serves large packs, and
         each Triton kernel is autotuned on the shapes of its first run."""
