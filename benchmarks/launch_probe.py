@@ -7,12 +7,13 @@ bench case on its exact layout:
 - host: `exact_layout` + `pack_metadata` + the copies to the GPU (what the route does first);
 - enqueue: the compiled call until it returns, not synchronized (the host's launch work);
 - forward: the compiled call, synchronized; graph: the same call captured and replayed;
-- kernels: the sum of the GPU kernel times of one forward (torch.profiler);
-- enqueue / forward again with attention through `F.scaled_dot_product_attention` under
-  `sdpa_kernel` instead of cuDNN's op called directly (the same kernel), in the same process.
+- kernels: the sum of the GPU kernel times of one forward (torch.profiler).
 If enqueue is close to forward, the route is launch-bound and only a graph hides it.
-Last, the host cost of one dense attention call (8 x 784 rows at 16 x 72), cuDNN's op called
-directly against `F.scaled_dot_product_attention` under `sdpa_kernel` (the same kernel).
+Last, the host cost of one dense attention call (`attention._dense`, 8 x 784 rows at 16 x 72).
+
+The saved `launch_probe.json` ran on commit 64beda8, where `_dense` could call cuDNN's op
+directly; it also holds that A/B (`enqueue_sdpa_ms`, `forward_sdpa_ms`: through
+`F.scaled_dot_product_attention`, as now). That direct call was reverted after it.
 """
 
 from __future__ import annotations
@@ -94,13 +95,6 @@ def main() -> None:
             call()
             torch.cuda.synchronize()
         kernels_ms = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0) / 1e3
-        learned = dict(attention._cudnn_usable)
-        attention._cudnn_usable.update({key: False for key in learned})  # F.sdpa + sdpa_kernel instead
-        call()
-        enqueue_sdpa_ms = median_ms(call)
-        torch.cuda.synchronize()
-        forward_sdpa_ms = time_ms(call, CUDA, repeats=7)
-        attention._cudnn_usable.update(learned)
         row = {
             "case": case,
             "host_prep_ms": host_ms,
@@ -108,28 +102,21 @@ def main() -> None:
             "forward_ms": forward_ms,
             "graph_ms": graph_ms,
             "kernels_ms": kernels_ms,
-            "enqueue_sdpa_ms": enqueue_sdpa_ms,
-            "forward_sdpa_ms": forward_sdpa_ms,
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
     q, k, v = (torch.randn(8 * 784, 16, 72, device=CUDA, dtype=torch.bfloat16) for _ in range(3))
-    key = (q.device, q.dtype, q.shape[-1])
-    host_us = {}
-    for path, usable in (("cudnn op direct", True), ("F.sdpa + sdpa_kernel", False)):
-        attention._cudnn_usable[key] = usable
+    attention._dense(q, k, v, 784, 72**-0.5)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(200):
         attention._dense(q, k, v, 784, 72**-0.5)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(200):
-            attention._dense(q, k, v, 784, 72**-0.5)
-        host_us[path] = (time.perf_counter() - start) / 200 * 1e6  # host-bound: 200 launches queue
-        torch.cuda.synchronize()
-    attention._cudnn_usable.pop(key)
-    print(json.dumps({"dense_call_us": host_us}), flush=True)
+    dense_call_us = (time.perf_counter() - start) / 200 * 1e6  # host-bound: 200 launches queue
+    torch.cuda.synchronize()
+    print(json.dumps({"dense_call_us": dense_call_us}), flush=True)
     record = {
         "command": " ".join(sys.argv),
-        "dense_call_us_8x784": host_us,
+        "dense_call_us_8x784": dense_call_us,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "warm_s": warm_s,
@@ -139,11 +126,8 @@ def main() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2))
     print(f"{record['device']}, torch {record['torch']}, warm-up compiles {warm_s:.0f} s")
-    print(
-        "| case | host prep ms | enqueue ms | forward ms | graph ms | kernel sum ms | enqueue ms (sdpa) "
-        "| forward ms (sdpa) |\n|---|---|---|---|---|---|---|---|"
-    )
-    keys = ("host_prep_ms", "enqueue_ms", "forward_ms", "graph_ms", "kernels_ms", "enqueue_sdpa_ms", "forward_sdpa_ms")
+    print("| case | host prep ms | enqueue ms | forward ms | graph ms | kernel sum ms |\n|---|---|---|---|---|---|")
+    keys = ("host_prep_ms", "enqueue_ms", "forward_ms", "graph_ms", "kernels_ms")
     for r in rows:
         cells = [r["case"]] + [f"{r[k]:.2f}" for k in keys]
         print("| " + " | ".join(cells) + " |")

@@ -131,46 +131,22 @@ def _varlen_cuda(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None) -> t
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale)
 
 
-_cudnn_usable: dict[tuple[torch.device, torch.dtype, int], bool] = {}
-"""Whether cuDNN's attention op ran for (device, dtype, head dim): learned on the first call
-outside a CUDA graph capture."""
-
-
-def _cudnn_attention(q, k, v, scale: float) -> torch.Tensor | None:
-    """cuDNN's SDPA op called directly, or None where it does not run. `F.scaled_dot_product_attention`
-    under `sdpa_kernel` picks the same kernel, with host-side checks on top: one call for 8 x 784
-    rows at 16 x 72 took 129 us of host time against 76 us direct on one H100 host, 317 against
-    208 on another, where its kernel takes ~100 us (`benchmarks/results/launch_probe.json`).
-    Outside a CUDA graph (the compiled exact route) that host time is what keeps the GPU fed."""
-    key = (q.device, q.dtype, q.shape[-1])
-    usable = _cudnn_usable.get(key)
-    if usable is False or (usable is None and torch.cuda.is_current_stream_capturing()):
-        return None
-    try:
-        out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, scale=scale)[0]
-    except RuntimeError:
-        if usable:
-            raise
-        _cudnn_usable[key] = False
-        return None
-    _cudnn_usable[key] = True
-    return out
-
-
 def _dense(q, k, v, length: int, scale: float) -> torch.Tensor:
     """`[count * length, heads, dim]` rows as one dense `[count, heads, length, dim]` batch
-    (strided views, no copy in). CUDA: cuDNN where it runs, which allocates its output in q's
-    layout, so the result is a view too; else SDPA's next choices. CPU: SDPA's own choice, exact
-    in float32."""
+    (strided views, no copy in). CUDA: cuDNN first, which allocates its output in q's layout, so
+    the result is a view too. CPU: SDPA's own choice, exact in float32.
+
+    Host cost (CUDA): ~130-320 us a call on the H100 hosts for ~100 us of kernel
+    (`benchmarks/results/launch_probe.json`); outside a CUDA graph that is what keeps the GPU
+    fed. Calling cuDNN's op directly saved ~40% of it, but was reverted: see the results README."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     batch = [t.unflatten(0, (t.shape[0] // length, length)).transpose(1, 2) for t in (q, k, v)]
-    out = _cudnn_attention(*batch, scale) if q.is_cuda else None
-    if out is None and q.is_cuda:
+    if q.is_cuda:
         order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
         with sdpa_kernel(order, set_priority=True):
             out = F.scaled_dot_product_attention(*batch, scale=scale)
-    elif out is None:
+    else:
         out = F.scaled_dot_product_attention(*batch, scale=scale)
     return out.transpose(1, 2).flatten(0, 1)
 
