@@ -7,11 +7,10 @@ that holds the pack's longest frame, copies the pack into that graph's static bu
 overwrite them. It runs eagerly instead when the pack is larger than every budget, when
 no graph fits (or the CPU, where there are no graphs), or when the costs measured at
 startup say eager is faster for a pack of this size. "Eagerly" means on the pack's exact
-layout (no padding rows). With `compile` (and `compile_exact`), such a pack runs there
-through the same compiled forward as the graphs, each run of equal attention segments (one
-image, a video, same-size images) as a dense batch (at most `attention.MAX_GROUPS` runs),
-warmed at startup so that no request pays for a compile; its cost is measured apart from
-uncompiled eager's.
+layout (no padding rows). With `compile` (and `compile_exact`), a pack of equal attention
+segments (one image, a video, same-size images) runs there through the same compiled forward
+as the graphs, as one dense batch, warmed at startup so that no request pays for a compile;
+its cost is measured apart from uncompiled eager's.
 
 A pack that recurs (the same items' grids in the same order, seen `recurring_after` times)
 gets a graph of its own exact layout: no padding rows, each run of equal segments as one dense
@@ -113,17 +112,17 @@ class GraphConfig:
     """`torch.compile` the padded forward (dynamic shapes, one compile for every budget)
     before capture. Fuses the tower's elementwise work; costs startup time."""
     compile_exact: bool = True
-    """With `compile`: packs that run without a graph (larger than every budget, or cheaper
-    unpadded by the measured costs) run through the compiled forward on their exact layout
-    (each run of equal attention segments as one dense batch, at most `attention.MAX_GROUPS`
-    runs), not the transformers modules. Costs two more compiles at startup (one segment,
-    several; the segment lengths are read at run time inside an opaque op, so unequal packs
-    need no compile of their own); the route is checked against eager at startup like the
-    graphs (turned off if wrong) and offered only from the smallest size at which its compile
-    was seen to hold. A pack that would still need a compile runs uncompiled and is counted
-    (`recompile_fallbacks`). Before the grouped op, unequal packs ran the varlen kernel here
-    and measured slower than eager on an H100 (Qwen3-VL-8B mixed pack: 41.56 ms vs 39.39 ms,
-    `encoder_bench_qwen3_exact_varlen.md`); grouped, 26.19 ms (`encoder_bench_qwen3_grouped.md`)."""
+    """With `compile`: packs of equal attention segments that run without a graph (larger
+    than every budget, or cheaper unpadded by the measured costs) run through the compiled
+    forward on their exact layout (one dense attention batch), not the transformers modules.
+    Costs two more compiles at startup (one segment, several; the segment lengths are read at
+    run time inside an opaque op, so the same compile also serves recurring graphs of mixed
+    packs); the route is checked against eager at startup like the graphs (turned off if
+    wrong) and offered only from the smallest size at which its compile was seen to hold. A
+    pack that would still need a compile runs uncompiled and is counted
+    (`recompile_fallbacks`). Packs of unequal segments keep the padded graphs or uncompiled
+    eager: on this route each run of equal segments is one more attention call's host time,
+    which outside a graph cost more than it saved on some hosts (see `_compiles_exact`)."""
     recurring_graphs: int = 16
     """Most graphs of recurring packs' exact layouts kept (least recently used evicted); 0: off.
     Each costs its own input buffers (its pixels and metadata: ~18 MiB for 8 x 448x448 of
@@ -355,13 +354,16 @@ class EncoderRunner:
         progress(f"compiled the exact-layout forward in {time.perf_counter() - start:.1f} s")
 
     def _compiles_exact(self, specs: Sequence[ItemSpec]) -> bool:
-        """Whether the compiled forward runs this pack on its exact layout: attention as dense
-        batches (at most `attention.MAX_GROUPS` runs of equal segments; more would run the
-        varlen kernel, which its measured cost does not cover), no smaller than the smallest
-        pack its compile was seen to hold for."""
+        """Whether the compiled exact route takes this pack: equal segments only (one dense
+        attention call per layer), no smaller than the smallest pack its compile was seen to
+        hold for. Outside a CUDA graph this route is bound by host time (~130-320 us per
+        attention call on the H100 hosts, `launch_probe.json`): a mixed pack's several dense
+        calls per layer made it 26-40 ms against its padded graph's ~28 ms from host to host,
+        which its cost measured on equal packs does not price. Mixed packs get grouped
+        attention in their own recurring graph, where host time is not paid."""
         return (
             self._exact_compiled
-            and len(attention.segment_groups(segment_lengths(specs))) <= attention.MAX_GROUPS
+            and len(attention.segment_groups(segment_lengths(specs))) == 1
             and sum(s.input_patches for s in specs) >= self._exact_min_rows
         )
 
