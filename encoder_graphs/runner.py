@@ -363,7 +363,7 @@ class EncoderRunner:
         attention in their own recurring graph, where host time is not paid."""
         return (
             self._exact_compiled
-            and len(attention.segment_groups(segment_lengths(specs))) == 1
+            and len({s.frame_patches for s in specs}) == 1
             and sum(s.input_patches for s in specs) >= self._exact_min_rows
         )
 

@@ -62,18 +62,29 @@ class ExactSegments:
         return cu_seqlens is self.cu_seqlens
 
 
-_lengths: ContextVar[tuple[int, ...] | None] = ContextVar("exact_segment_lengths", default=None)
+@dataclass(frozen=True)
+class _Segments:
+    """What the attention op needs from the host: the groups, and what they must match."""
+
+    groups: tuple[tuple[int, int], ...]
+    count: int
+    rows: int
+
+
+_current: ContextVar[_Segments | None] = ContextVar("exact_segments", default=None)
 
 
 @contextlib.contextmanager
 def exact_segments(lengths: Sequence[int]) -> Iterator[None]:
-    """The segment lengths (host ints, in row order) of the exact-layout forward run inside.
-    Read at run time by the attention op, so in a CUDA graph they are baked at capture."""
-    token = _lengths.set(tuple(int(n) for n in lengths))
+    """The segment lengths (host ints, in row order) of the exact-layout forward run inside,
+    grouped once here for every layer. Read at run time by the attention op, so in a CUDA graph
+    they are baked at capture."""
+    lengths = [int(n) for n in lengths]
+    token = _current.set(_Segments(tuple(segment_groups(lengths)), len(lengths), sum(lengths)))
     try:
         yield
     finally:
-        _lengths.reset(token)
+        _current.reset(token)
 
 
 def segment_groups(lengths: Sequence[int]) -> list[tuple[int, int]]:
@@ -89,19 +100,18 @@ def segment_groups(lengths: Sequence[int]) -> list[tuple[int, int]]:
     return groups
 
 
-def _groups_for(rows: int, segments: int) -> list[tuple[int, int]] | None:
-    """The current lengths' groups when they describe these rows and this many segments and
-    are few enough; else None (the varlen kernel)."""
-    lengths = _lengths.get()
-    if lengths is None or len(lengths) != segments or sum(lengths) != rows:
+def _groups_for(rows: int, segments: int) -> tuple[tuple[int, int], ...] | None:
+    """The current groups when they describe these rows and this many segments and are few
+    enough; else None (the varlen kernel)."""
+    current = _current.get()
+    if current is None or current.count != segments or current.rows != rows:
         return None
-    groups = segment_groups(lengths)
-    return groups if 0 < len(groups) <= MAX_GROUPS else None
+    return current.groups if 0 < len(current.groups) <= MAX_GROUPS else None
 
 
 exact_hint_hits = 0
-"""Attention calls that found their `ExactSegments` hint applicable (grouped dense kernels on
-CUDA; CPU keeps exact per-segment SDPA). Lets CPU tests check the hint reaches the right layers."""
+"""Attention calls that found their `ExactSegments` hint applicable (the grouped op, on CUDA and
+CPU alike). Lets CPU tests check the hint reaches the right layers."""
 BACKENDS = ("auto", "flash")
 DEFAULT_BACKEND = "flash"
 _backend = DEFAULT_BACKEND

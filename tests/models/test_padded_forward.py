@@ -209,14 +209,19 @@ def test_exact_hint_reaches_exactly_the_full_attention_layers(family_setup, monk
 
 
 def test_exact_attention_groups_runs_and_falls_back_where_lengths_do_not_fit(monkeypatch):
-    """The grouped op against per-segment SDPA on the same rows: runs of equal segments as dense
-    batches; lengths that do not describe the rows, none set, or more than MAX_GROUPS runs take the
-    per-segment (varlen) path. The result is the same every way."""
+    """The grouped op against attention written out per segment (softmax(q k^T * scale) v): runs
+    of equal segments as dense batches; lengths that do not describe the rows, none set, or more
+    than MAX_GROUPS runs take the per-segment (varlen) path. The result is the same every way."""
     torch.manual_seed(0)
     lengths = [5, 5, 5, 3, 7, 7]
-    q, k, v = (torch.randn(sum(lengths), 2, 8) for _ in range(3))
+    q, k, v = (torch.randn(sum(lengths), 2, 8, dtype=torch.float64) for _ in range(3))
     cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
-    expected = attention._segmented_sdpa(q, k, v, cu, 0.3)
+    pieces, start = [], 0
+    for n in lengths:
+        qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))  # [heads, n, dim]
+        pieces.append((torch.softmax(qs @ ks.transpose(1, 2) * 0.3, dim=-1) @ vs).transpose(0, 1))
+        start += n
+    expected = torch.cat(pieces)
     calls = dense_calls(monkeypatch)
     assert attention.segment_groups([5, 5, 0, 5, 3, 7, 7]) == [(3, 5), (1, 3), (2, 7)]
     with attention.exact_segments(lengths):
