@@ -225,6 +225,15 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _frontend_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("nvidia-cudnn-frontend")
+    except Exception:  # noqa: BLE001 - not installed (or not as a distribution)
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=["qwen3-vl-8b", "qwen2.5-vl-7b"])
@@ -234,7 +243,7 @@ def main() -> None:
     parser.add_argument("--segment-density", type=int, default=GraphConfig.segment_density)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="encoder_bench")
-    parser.add_argument("--attention", default="flash", choices=["auto", "flash"])
+    parser.add_argument("--attention", default=attention.DEFAULT_BACKEND, choices=attention.BACKENDS)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument(
         "--compile-exact",
@@ -246,7 +255,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     peak_before = measure_peak_tflops(device)
-    attention.set_backend(args.attention)
+    backend = attention.set_backend(args.attention) if device.type == "cuda" else "cpu"
     config = GraphConfig(
         max_budget_tokens=args.max_budget_tokens,
         budget_growth=args.budget_growth,
@@ -263,7 +272,8 @@ def main() -> None:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "dtype": args.dtype,
-        "attention": args.attention,
+        "attention": backend,
+        "cudnn_frontend": _frontend_version(),
         "compile": args.compile,
         "compile_exact": args.compile_exact,
         "date": time.strftime("%Y-%m-%d"),
@@ -278,7 +288,8 @@ def main() -> None:
         add_mfu(result["cases"], peak)
     header = (
         f"Device {record['device']}, torch {record['torch']}, transformers {record['transformers']}, "
-        f"{args.dtype}, attention {args.attention}, compile {args.compile} (exact route {args.compile_exact}), "
+        f"{args.dtype}, attention {record['attention']} (cudnn-frontend {record['cudnn_frontend']}), "
+        f"compile {args.compile} (exact route {args.compile_exact}), "
         f"measured matmul peak {peak:.0f} TFLOP/s (best of before {peak_before:.0f} / after "
         f"{peak_after:.0f}), {record['date']}\n"
         f"Command: {record['command']}\n"

@@ -37,10 +37,11 @@ class ModelSettings(_Strict):
         "auto", description="Tower dtype; auto: bfloat16 on CUDA, float32 on CPU."
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where encoder replicas run the tower.")
-    attention: Literal["auto", "flash"] = Field(
+    attention: Literal["auto", "cudnn", "flash"] = Field(
         attention.DEFAULT_BACKEND,
-        description="CUDA varlen attention kernel: flash (FlashAttention-2, capturable) or auto (varlen_attn's "
-        "choice: cuDNN on torch 2.14+ with Hopper, not proven capturable in CUDA graphs).",
+        description="CUDA varlen attention kernel: cudnn (cuDNN's, through nvidia-cudnn-frontend, the "
+        "`cudnn` extra; Hopper or newer; FlashAttention-2 for short segments), flash (FlashAttention-2 "
+        "only) or auto (cudnn where it can serve, else flash).",
     )
 
     @model_validator(mode="after")

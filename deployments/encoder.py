@@ -70,7 +70,8 @@ def load_encoder(config: AppConfig):
     if model.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("model.device is 'cuda' but this replica sees no CUDA device (is num_gpus set to 1?)")
     dtype = resolve_dtype(model.dtype, model.device)
-    attention.set_backend(model.attention)
+    if model.device == "cuda":
+        logger.info("varlen attention: %s", attention.set_backend(model.attention))
     if model.path is not None:
         return from_checkpoint(model.path, family=model.family, dtype=dtype, device=model.device)
     return from_preset(model.preset, family=model.family, dtype=dtype, device=model.device)

@@ -553,27 +553,59 @@ class EncoderRunner:
         offsets = [0]
         for spec in specs:
             offsets.append(offsets[-1] + spec.input_patches)
-        results: list[ItemOutput | None] = [None] * len(specs)
+        # Every part is filled, replayed and copied out before any is checked: the finite check
+        # waits for the GPU, and waiting after each part left the GPU idle while the next part's
+        # inputs were copied in (a 32 x 224x224 pack split in two took 28.8 ms, against 25.0 ms
+        # by the two replays).
+        launched = []
         for indices, entry, metadata in parts:
             rows = [pixel_values[offsets[i] : offsets[i + 1]] for i in indices]  # views, copied once by _fill
-            outputs = self._run_graph(entry, metadata, rows, [specs[i] for i in indices], output_device)
-            for i, out in zip(indices, outputs):
-                results[i] = out
+            part_specs = [specs[i] for i in indices]
+            taken = self._launch(entry, metadata, rows, part_specs, output_device)
+            launched.append((indices, entry, rows, part_specs, taken))
+        results: list[ItemOutput | None] = [None] * len(specs)
+        for indices, entry, rows, part_specs, (out, finite) in launched:
+            for i, item in zip(indices, self._finish(entry, out, finite, rows, part_specs, output_device)):
+                results[i] = item
         return results
+
+    def _launch(
+        self,
+        entry: GraphEntry,
+        metadata: dict[str, torch.Tensor] | None,
+        pixel_values: torch.Tensor | Sequence[torch.Tensor],
+        specs: Sequence[ItemSpec],
+        output_device: torch.device,
+    ) -> tuple[EncoderOutput, torch.Tensor]:
+        """Fill, replay and copy out, without waiting for the GPU: the outputs and finite flags."""
+        self._fill(entry, pixel_values, metadata)
+        self._execute(entry)
+        return self._take(entry, sum(s.output_tokens for s in specs), output_device)
 
     def _run_graph(
         self,
         entry: GraphEntry,
-        metadata: dict[str, torch.Tensor],
+        metadata: dict[str, torch.Tensor] | None,
         pixel_values: torch.Tensor | Sequence[torch.Tensor],
         specs: Sequence[ItemSpec],
         output_device: torch.device,
     ) -> list[ItemOutput]:
         """`metadata` None: the entry's own (a recurring pack's, baked in)."""
+        out, finite = self._launch(entry, metadata, pixel_values, specs, output_device)
+        return self._finish(entry, out, finite, pixel_values, specs, output_device)
+
+    def _finish(
+        self,
+        entry: GraphEntry,
+        out: EncoderOutput,
+        finite: torch.Tensor,
+        pixel_values: torch.Tensor | Sequence[torch.Tensor],
+        specs: Sequence[ItemSpec],
+        output_device: torch.device,
+    ) -> list[ItemOutput]:
+        """The finite check (waits for the GPU): a graph whose output is not finite where eager's
+        is gets disabled, and the pack is served eagerly."""
         tokens = sum(s.output_tokens for s in specs)
-        self._fill(entry, pixel_values, metadata)
-        self._execute(entry)
-        out, finite = self._take(entry, tokens, output_device)
         budget = fitting_budget(self.ladder, tokens) if entry.recurring else entry.key[0]
         if self.use_graphs and not bool(finite.all()):
             if not isinstance(pixel_values, torch.Tensor):

@@ -4,19 +4,27 @@ transformers' vision towers take the varlen branch (one kernel over all segments
 `cu_seqlens` and `max_seqlen`) only when `config._attn_implementation` contains "flash".
 We register our own function under such a name:
 
-- CUDA: FlashAttention-2's varlen kernel (`aten._flash_attention_forward`) by default. No
-  host sync, capturable in a CUDA graph with `cu_seqlens` in a static int32 buffer. The
-  "auto" backend calls `varlen_attn` instead, which on torch 2.14+ with cuDNN >= 9.18 on
-  Hopper/Blackwell picks cuDNN's varlen kernel; that kernel could not be captured on torch
-  2.11 (see below), so it is opt-in until it is proven capturable. Every segment,
-  padding included, must be <= `max_seqlen` or the result is silently wrong; callers
-  guarantee it (see `models/layout.py`).
+- CUDA: a varlen kernel over all segments, driven by `cu_seqlens` in a static int32 buffer,
+  no host sync, capturable in a CUDA graph. Two kernels (`set_backend`):
+  - cuDNN's, through NVIDIA's own Python frontend (`nvidia-cudnn-frontend`, the `cudnn`
+    extra), for layouts whose `max_seqlen` is >= `CUDNN_MIN_SEQLEN`: it caches its built graph
+    and derives the ragged offsets on the device, so it captures (torch 2.11's own cuDNN
+    varlen path rebuilds the graph on every call, 50-70 ms, and breaks capture). On an H100
+    it runs the mixed pack's padded layout 1.55x faster than FlashAttention-2 at Qwen3-VL's
+    16 x 72 heads and 1.64x at Qwen2.5-VL's 16 x 80 (`benchmarks/results/cudnn_probe.json`);
+  - FlashAttention-2's (`aten._flash_attention_forward`): below that length (many short
+    segments: Qwen2.5-VL's 64-patch windows, where cuDNN is 1.8x slower), and everywhere
+    when the frontend is not installed or the GPU is older than Hopper.
+  Every segment, padding included, must be <= `max_seqlen` or the result is silently wrong;
+  callers guarantee it (see `models/layout.py`).
 - CUDA, exact layouts (unpadded: eager, the runner's compiled exact route, or a recurring
   pack's own graph; from the `exact_segments` hint): consecutive segments of equal length are
   dense `[count, heads, length, dim]` batches, each run by SDPA with cuDNN first. On an H100
   (torch 2.11, cuDNN 9.19, Qwen3-VL's 16 x 72 heads) cuDNN runs one 12544-patch image at 388
-  TFLOP/s where the FlashAttention-2 varlen kernel runs 238 (`benchmarks/results/qwen3_probe.json`);
-  cuDNN's own varlen form could not be captured in a CUDA graph there. The segment lengths
+  TFLOP/s where the FlashAttention-2 varlen kernel runs 238 (`benchmarks/results/qwen3_probe.json`)
+  and cuDNN's varlen kernel 357 (`cudnn_probe.json`). Where the cuDNN varlen kernel is in use,
+  a layout of several runs takes it (one call: 0.219 ms for the mixed pack, against 0.268 ms
+  as three dense batches); with FlashAttention-2 it is the dense batches. The segment lengths
   come from the host (`exact_segments(...)`, set by the caller around the forward, like
   vLLM's forward context) and are read inside an opaque custom op, so torch.compile sees no
   lengths: one compile serves equal and unequal packs alike, with no guard on any length.
@@ -29,7 +37,6 @@ We register our own function under such a name:
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -112,33 +119,93 @@ def _groups_for(rows: int, segments: int) -> tuple[tuple[int, int], ...] | None:
 exact_hint_hits = 0
 """Attention calls that found their `ExactSegments` hint applicable (the grouped op, on CUDA and
 CPU alike). Lets CPU tests check the hint reaches the right layers."""
-BACKENDS = ("auto", "flash")
-DEFAULT_BACKEND = "flash"
-_backend = DEFAULT_BACKEND
+BACKENDS = ("auto", "cudnn", "flash")
+DEFAULT_BACKEND = "auto"
+CUDNN_MIN_SEQLEN = 512
+"""Layouts with a `max_seqlen` at least this take cuDNN's varlen kernel (backend "cudnn"); shorter
+ones FlashAttention-2's. `cudnn_probe.json` (H100, in CUDA graphs, cuDNN vs FlashAttention-2):
+32 x 256-patch images 0.074 vs 0.069 ms, 64-patch windows 0.064 vs 0.036; from 784-patch
+segments up cuDNN wins (8 x 784 padded 0.135 vs 0.163, the mixed pack 0.300 vs 0.466)."""
+_use_cudnn: bool | None = None
+"""Whether the cuDNN varlen kernel serves; None until `set_backend` or the first `register()`
+(an encoder's construction) resolves the default."""
 
 
-def set_backend(name: str) -> None:
-    """CUDA kernel for varlen attention: "flash" (default) always calls FlashAttention-2
-    directly; "auto" lets `varlen_attn` pick (torch 2.14+: cuDNN on Hopper with cuDNN >= 9.18,
-    not proven capturable; torch 2.11: FlashAttention-2, identical to "flash")."""
-    global _backend
+def cudnn_frontend_available(device: torch.device | None = None) -> bool:
+    """Whether cuDNN's varlen kernel can serve: the frontend imports and the GPU is Hopper or
+    newer (where it was measured against FlashAttention-2)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cudnn  # noqa: F401  (nvidia-cudnn-frontend)
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def set_backend(name: str) -> str:
+    """CUDA varlen kernel: "flash" always FlashAttention-2; "cudnn" cuDNN's varlen kernel through
+    `nvidia-cudnn-frontend` for layouts of `max_seqlen >= CUDNN_MIN_SEQLEN` (FlashAttention-2
+    below), an error if it cannot serve; "auto" (default) is "cudnn" where it can serve, else
+    "flash". Returns the backend in effect."""
+    global _use_cudnn
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is not one of {BACKENDS}")
-    _backend = name
+    available = name != "flash" and cudnn_frontend_available()
+    if name == "cudnn" and not available:
+        raise ValueError(
+            "attention backend 'cudnn' needs a Hopper or newer GPU and nvidia-cudnn-frontend "
+            "(pip install '.[cudnn]'); use 'auto' to fall back to FlashAttention-2"
+        )
+    _use_cudnn = available
+    return "cudnn" if available else "flash"
+
+
+def _takes_cudnn(max_seqlen: int) -> bool:
+    return bool(_use_cudnn) and max_seqlen >= CUDNN_MIN_SEQLEN
+
+
+def _flash_varlen(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None) -> torch.Tensor:
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False, scale=scale
+    )
+    return out[0]
+
+
+def _cudnn_varlen(q, k, v, cu_seqlens, max_seqlen: int, scale: float) -> torch.Tensor:
+    """cuDNN's varlen kernel: the frontend builds its graph once per (segment slots,
+    max_seqlen, strides) and then only launches (the runner's warm-up builds it outside capture).
+    Zero-length trailing slots are allowed; every row must be in a segment."""
+    import cudnn
+
+    return cudnn.sdpa_torch(
+        q, k, v, scale=scale, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+    )  # fmt: skip
+
+
+@torch.library.custom_op("vlm_encoder::cudnn_varlen_attention", mutates_args=())
+def cudnn_varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
+) -> torch.Tensor:
+    """cuDNN's varlen kernel as one opaque op: torch.compile does not trace into the frontend's
+    Python (its graph cache, its offset tensors), which runs at call time (at capture, in a graph)."""
+    return _cudnn_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+@cudnn_varlen_attention.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, scale):
+    return torch.empty_like(q)
 
 
 def _varlen_cuda(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-
-    if _backend == "flash":
-        out = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False, scale=scale
-        )
-        return out[0]
-    if scale is None or math.isclose(scale, q.shape[-1] ** -0.5):
-        # The default scale; older torch releases (2.11) take no `scale` argument.
-        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale)
+    """The varlen kernel for this layout. `max_seqlen` is a plain int here (the caller's `int()`
+    specialises it, as each graph's layout does anyway), so the choice adds no recompile; below
+    the threshold the traced FlashAttention-2 call is exactly what it was without cuDNN."""
+    if not _takes_cudnn(max_seqlen):
+        return _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return cudnn_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
 
 
 def _dense(q, k, v, length: int, scale: float) -> torch.Tensor:
@@ -170,10 +237,14 @@ def exact_attention(
     kernel (CUDA) or per-segment SDPA (CPU). Opaque to torch.compile: the lengths are read
     here, at run time (at capture, in a CUDA graph), never traced."""
     groups = _groups_for(q.shape[0], cu_seqlens.shape[0] - 1)
+    if groups is not None and len(groups) > 1 and q.is_cuda and _takes_cudnn(max_seqlen):
+        groups = None  # several runs: one cuDNN varlen call beats a dense call per run
     if groups is None:
-        if q.is_cuda:
-            return _varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale)
-        return _segmented_sdpa(q, k, v, cu_seqlens, scale)
+        if not q.is_cuda:
+            return _segmented_sdpa(q, k, v, cu_seqlens, scale)
+        if _takes_cudnn(max_seqlen):
+            return _cudnn_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
+        return _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
     outs, start = [], 0
     for count, length in groups:
         end = start + count * length
@@ -236,6 +307,9 @@ def varlen_attention_forward(
 
 
 def register() -> str:
-    """Register the function (idempotent) and return the name to put in `_attn_implementation`."""
+    """Register the function (idempotent) and return the name to put in `_attn_implementation`.
+    Resolves the default backend if none was set."""
+    if _use_cudnn is None:
+        set_backend(DEFAULT_BACKEND)
     AttentionInterface.register(ATTN_IMPLEMENTATION, varlen_attention_forward)
     return ATTN_IMPLEMENTATION

@@ -32,6 +32,17 @@ def test_graph_settings_reach_the_runner_config():
 
 
 def test_default_attention_kernel_is_the_library_default():
-    """The service must not pick a different CUDA kernel than models/ does by default (varlen_attn's
-    own choice was not capturable in CUDA graphs on torch 2.11)."""
-    assert AppConfig().model.attention == attention.DEFAULT_BACKEND == "flash"
+    """The service must not pick a different CUDA kernel than models/ does by default."""
+    assert AppConfig().model.attention == attention.DEFAULT_BACKEND == "auto"
+    assert set(attention.BACKENDS) == {"auto", "cudnn", "flash"}
+
+
+@pytest.mark.skipif(attention.cudnn_frontend_available(), reason="checks the refusal where cuDNN cannot serve")
+def test_cudnn_attention_without_its_frontend_or_gpu_is_refused_and_auto_falls_back(monkeypatch):
+    monkeypatch.setattr(attention, "_use_cudnn", attention._use_cudnn)  # restored after the test
+    with pytest.raises(ValueError, match=r"nvidia-cudnn-frontend.*'auto'"):
+        attention.set_backend("cudnn")
+    assert attention.set_backend("auto") == "flash"
+    assert attention.set_backend("flash") == "flash"
+    with pytest.raises(ValueError, match="not one of"):
+        attention.set_backend("sdpa")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from encoder_graphs.selfcheck import back_to_back_ms
-from models import from_preset, transformers_tower
+from models import attention, from_preset, transformers_tower
 from tests.helpers import random_image, random_video, relative_error
 
 DEVICE = torch.device("cuda")
@@ -38,8 +38,14 @@ def packs(encoder, rng):
     }
 
 
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
 @pytest.mark.parametrize("preset", ["qwen2.5-vl-7b", "qwen3-vl-8b"])
-def test_graph_error_is_within_1_5x_of_transformers_bf16(preset):
+def test_graph_error_is_within_1_5x_of_transformers_bf16(preset, backend, monkeypatch):
+    """Both varlen kernels: FlashAttention-2, and cuDNN's where the frontend is installed."""
+    if backend == "cudnn" and not attention.cudnn_frontend_available():
+        pytest.skip("needs nvidia-cudnn-frontend on Hopper+")
+    monkeypatch.setattr(attention, "_use_cudnn", attention._use_cudnn)  # restored after the test
+    attention.set_backend(backend)
     encoder = from_preset(preset, dtype=torch.bfloat16, device="cuda", seed=0)
     fp32 = transformers_tower(encoder, dtype=torch.float32)
     bf16_sdpa = transformers_tower(encoder, dtype=torch.bfloat16)
@@ -102,6 +108,7 @@ def test_graph_error_is_within_1_5x_of_transformers_bf16(preset):
     record = {
         "test": "tests/models/test_gpu_graph_parity.py",
         "preset": preset,
+        "attention": backend,
         "token_budget": TOKEN_BUDGET,
         "max_seqlen": MAX_SEQLEN,
         "device": torch.cuda.get_device_name(),
@@ -109,4 +116,4 @@ def test_graph_error_is_within_1_5x_of_transformers_bf16(preset):
         "transformers": __import__("transformers").__version__,
         "packs": results,
     }
-    (RESULTS_DIR / f"models_graph_parity_{preset}.json").write_text(json.dumps(record, indent=2))
+    (RESULTS_DIR / f"models_graph_parity_{preset}_{backend}.json").write_text(json.dumps(record, indent=2))

@@ -270,3 +270,31 @@ def test_one_exact_compile_serves_equal_and_unequal_packs():
                 run([(224, 224)] * 3)
     finally:
         torch._dynamo.reset()
+
+
+def test_varlen_kernel_is_chosen_by_max_seqlen_at_run_time(monkeypatch):
+    """Routing only (the kernels themselves are GPU-tested in tests/models/test_gpu_attention.py):
+    with cuDNN in use, layouts of max_seqlen >= CUDNN_MIN_SEQLEN take its varlen kernel (through
+    its opaque op), shorter ones FlashAttention-2's; without it every layout takes
+    FlashAttention-2's."""
+    calls = []
+
+    def recorder(name):
+        def kernel(q, k, v, cu_seqlens, max_seqlen, scale):
+            calls.append((name, max_seqlen))
+            return torch.zeros_like(q)
+
+        return kernel
+
+    monkeypatch.setattr(attention, "_cudnn_varlen", recorder("cudnn"))
+    monkeypatch.setattr(attention, "_flash_varlen", recorder("flash"))
+    q = torch.randn(16, 2, 8)
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    threshold = attention.CUDNN_MIN_SEQLEN
+    monkeypatch.setattr(attention, "_use_cudnn", True)
+    for max_seqlen in (threshold // 2, threshold, threshold * 8):
+        attention._varlen_cuda(q, q, q, cu, max_seqlen, 0.5)
+    monkeypatch.setattr(attention, "_use_cudnn", False)
+    attention._varlen_cuda(q, q, q, cu, threshold * 8, None)
+    expected = [("flash", threshold // 2), ("cudnn", threshold), ("cudnn", threshold * 8), ("flash", threshold * 8)]
+    assert calls == expected

@@ -1,0 +1,69 @@
+"""GPU: cuDNN's varlen kernel (through nvidia-cudnn-frontend) on the runner's padded layouts, in a
+CUDA graph, against attention written out per segment in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import attention
+from models.layout import padded_cu_seqlens
+from tests.helpers import relative_error
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not attention.cudnn_frontend_available(), reason="needs nvidia-cudnn-frontend on Hopper+"),
+]
+
+
+def per_segment(q, k, v, bounds, scale):
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            qs, ks, vs = (t[start:end].float().transpose(0, 1) for t in (q, k, v))
+            out[start:end] = (torch.softmax(qs @ ks.transpose(1, 2) * scale, dim=-1) @ vs).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("head_dim", [72, 80])
+def test_cudnn_varlen_in_a_graph_matches_per_segment_attention_on_a_padded_layout(monkeypatch, head_dim):
+    """A mixed pack padded into a larger buffer: padding segments and zero-length trailing slots,
+    as `models/layout.py` lays them out. The captured op, replayed on new values, must match the
+    written-out attention on every row (padding rows attend among themselves) and stay finite."""
+    monkeypatch.setattr(attention, "_use_cudnn", True)
+    lengths, rows, max_seqlen = [3136, 784, 784, 256, 256, 256], 8192, 4096
+    cu = padded_cu_seqlens(lengths, rows, max_seqlen, 64).cuda()
+    bounds = cu.tolist()
+    assert bounds[-1] == bounds[-2] == rows  # trailing zero-length slots
+    q, k, v = (torch.randn(rows, 16, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    scale = head_dim**-0.5
+    attention._varlen_cuda(q, k, v, cu, max_seqlen, scale)  # builds the cuDNN graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention._varlen_cuda(q, k, v, cu, max_seqlen, scale)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+        assert relative_error(out, per_segment(q, k, v, bounds, scale)) < 2e-2
+
+
+def test_exact_layout_of_several_runs_takes_one_cudnn_call(monkeypatch):
+    """On an exact layout, one run of equal segments stays a dense batch; several runs take the
+    cuDNN varlen kernel (one call, faster than a dense call per run: cudnn_probe.json)."""
+    monkeypatch.setattr(attention, "_use_cudnn", True)
+    calls = []
+    real = attention._cudnn_varlen
+    monkeypatch.setattr(attention, "_cudnn_varlen", lambda *a: calls.append(a[4]) or real(*a))
+    for lengths, expected_calls in (([784] * 4, []), ([3136, 784, 784, 256], [3136])):
+        calls.clear()
+        rows = sum(lengths)
+        cu = padded_cu_seqlens(lengths, rows, max(lengths), len(lengths)).cuda()
+        q, k, v = (torch.randn(rows, 16, 72, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        with attention.exact_segments(lengths):
+            out = attention.exact_attention(q, k, v, cu, max(lengths), 72**-0.5)
+        assert calls == expected_calls
+        assert relative_error(out, per_segment(q, k, v, cu.tolist(), 72**-0.5)) < 2e-2
