@@ -242,9 +242,7 @@ def exact_attention(
     if groups is None:
         if not q.is_cuda:
             return _segmented_sdpa(q, k, v, cu_seqlens, scale)
-        if _takes_cudnn(max_seqlen):
-            return _cudnn_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
-        return _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
+        return _varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale)
     outs, start = [], 0
     for count, length in groups:
         end = start + count * length

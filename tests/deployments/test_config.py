@@ -34,7 +34,10 @@ def test_graph_settings_reach_the_runner_config():
 def test_default_attention_kernel_is_the_library_default():
     """The service must not pick a different CUDA kernel than models/ does by default."""
     assert AppConfig().model.attention == attention.DEFAULT_BACKEND == "auto"
-    assert set(attention.BACKENDS) == {"auto", "cudnn", "flash"}
+    for name in attention.BACKENDS:  # the config offers exactly the kernels models/ knows
+        assert AppConfig.model_validate({"model": {"attention": name}}).model.attention == name
+    with pytest.raises(ValidationError, match="attention"):
+        AppConfig.model_validate({"model": {"attention": "sdpa"}})
 
 
 @pytest.mark.skipif(attention.cudnn_frontend_available(), reason="checks the refusal where cuDNN cannot serve")
