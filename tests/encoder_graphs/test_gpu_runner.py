@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from encoder_graphs.memory import GraphMemoryError
-from encoder_graphs.runner import EncoderRunner, GraphConfig
+from encoder_graphs.runner import EncoderRunner, GraphConfig, canonical_order
 from models import attention, from_preset, transformers_tower
 from tests.helpers import random_image, random_video, relative_error
 
@@ -212,7 +212,7 @@ def test_recurring_pack_gets_its_own_graph_and_matches_transformers(encoder, run
             for ours, theirs in item_errors(references, pixels, specs, outputs):
                 assert ours <= 1.5 * theirs + 1e-3, (sizes, ours, theirs)
         assert runner.stats.last.recurring, runner.stats.snapshot()
-        entry = runner._recurring[tuple(s.grid_thw for s in specs)]
+        entry = runner._recurring[tuple(specs[i].grid_thw for i in canonical_order(specs))]
         padded = min(e.replay_ms for e in runner.entries.values() if e.key[0] == 2048 and e.enabled)
         assert entry.graph is not None and entry.layout.token_budget == tokens
         assert entry.dense == (len(set(sizes)) == 1) and 0 < entry.replay_ms < padded

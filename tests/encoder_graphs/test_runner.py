@@ -362,7 +362,7 @@ def test_a_failing_exact_warm_up_leaves_the_route_off_and_the_runner_serving(qwe
 
 
 def test_a_recurring_pack_gets_its_own_exact_layout_graph(qwen3):
-    """The second sighting of a pack (same grids, same order) sets up its own exact-layout entry
+    """The second sighting of a pack (same grids, in any order) sets up its own exact-layout entry
     (its metadata baked in; on CUDA, a captured graph); the third runs through it. Other packs
     through the shared pixel and output buffers in between do not disturb it; every output
     matches transformers. Equal segments (dense attention) and unequal ones alike."""
@@ -385,9 +385,32 @@ def test_a_recurring_pack_gets_its_own_exact_layout_graph(qwen3):
     dense = next(e for e in runner._recurring.values() if e.dense)
     assert dense.layout.token_budget == sum(s.output_tokens for s in packs[1][1])  # exact: no padding rows
 
-    # the same items in another order are another pack
-    reordered = [packs[0][1][2], packs[0][1][0], packs[0][1][1]]
-    assert tuple(s.grid_thw for s in reordered) not in runner._recurring
+    # the same items in another order are the same pack: its graph serves them, outputs come
+    # back in the caller's order
+    pixels, specs = reordered(*packs[0], [2, 0, 1])
+    hits = runner.stats.recurring_hits
+    assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+    assert runner.stats.last.recurring and runner.stats.recurring_hits == hits + 1
+
+
+def reordered(pixels, specs, order):
+    offsets = np.cumsum([0] + [s.input_patches for s in specs])
+    return torch.cat([pixels[offsets[i] : offsets[i + 1]] for i in order]), [specs[i] for i in order]
+
+
+def test_items_run_in_canonical_order_and_come_back_in_the_callers(qwen3):
+    """Equal segments run together (one run each for grouped attention) whatever order they came
+    in; every output still belongs to its own item."""
+    encoder, reference = qwen3
+    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=1024, max_items_per_pack=16, recurring_graphs=0))
+    pixels, specs = make_images(encoder, np.random.default_rng(14), [(128, 128), (256, 256), (128, 128), (256, 256)])
+    seen = []
+    run_ordered = runner._run_ordered
+    runner._run_ordered = lambda p, s, *rest: seen.append([x.grid_thw for x in s]) or run_ordered(p, s, *rest)
+    assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+    big, small = specs[1].grid_thw, specs[0].grid_thw
+    assert seen == [[big, big, small, small]]
+    assert [s.grid_thw for s in specs] == [small, big, small, big]  # the caller's list is not touched
 
 
 def test_recurring_graphs_are_bounded_and_can_be_turned_off(qwen3):
