@@ -45,6 +45,9 @@ logger = logging.getLogger("ray.serve")
 
 api = create_api()
 
+DESCRIBE_TIMEOUT_S = 2.0
+"""How long `/v1/models` waits for an encoder replica's own description."""
+
 
 def _done(loop: asyncio.AbstractEventLoop, value) -> asyncio.Future:
     future = loop.create_future()
@@ -101,6 +104,8 @@ class EncoderRouter:
         self.rejected: dict[str, int] = {}
         self.cache = EmbeddingCache(config.router.cache_bytes)
         self.inflight = InflightTable()
+        self._described: tuple[float, dict] | None = None
+        """(monotonic time, the last encoder description) for `/v1/models` under saturation."""
         api.state.router = self  # the serving app's handlers reach the router through this
 
     # ---- HTTP ----
@@ -134,10 +139,27 @@ class EncoderRouter:
                     "budgets": list(self.ladder),
                     "encoder_replicas": {str(k): v for k, v in replicas.items()},
                     "router": self.router_stats(),
-                    "encoder": await self.encoder.describe.remote(),
+                    "encoder": await self._describe_encoder(),
                 }
             ],
         }
+
+    async def _describe_encoder(self) -> dict:
+        """One encoder replica's description, waited for at most `DESCRIBE_TIMEOUT_S`: under
+        saturation the request queues behind packs for a replica slot (`max_ongoing_requests`),
+        and `/v1/models` must not stall with it. Then the last description answers, marked with
+        its age (`stale_s`), or, before any, `{"status": "busy"}`."""
+        response = self.encoder.describe.remote()
+        try:
+            described = await asyncio.wait_for(response, DESCRIBE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            response.cancel()
+            if self._described is None:
+                return {"status": "busy", "detail": f"no encoder replica answered within {DESCRIBE_TIMEOUT_S} s"}
+            at, last = self._described
+            return {**last, "stale_s": round(time.monotonic() - at, 1)}
+        self._described = (time.monotonic(), described)
+        return described
 
     def _raw_from_http(self, index: int, item) -> tuple[str, Any]:
         limits = self.config.limits

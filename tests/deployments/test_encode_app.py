@@ -202,6 +202,46 @@ def test_health_models_and_docs(url, serve_harness):
         assert "/v1/encode" in client.get(url + "/openapi.json").json()["paths"]
 
 
+def test_models_does_not_wait_on_a_saturated_encoder(url, serve_harness):
+    """Under saturation the encoder's `describe` queues behind packs for a replica slot;
+    `/v1/models` answers after `DESCRIBE_TIMEOUT_S` with the last description, marked stale (or
+    busy before any). The slot is held here by a stand-in handle whose call never completes:
+    a real queue's length depends on the machine. The answer path is the router's own code."""
+    import asyncio
+
+    from deployments.router import DESCRIBE_TIMEOUT_S, EncoderRouter
+
+    with serve_harness.http() as client:
+        fresh = client.get(url + "/v1/models").json()["data"][0]["encoder"]
+    assert "stale_s" not in fresh and fresh["stats"]["packs"] >= 0
+
+    class Queued:  # what `handle.describe.remote()` returns while every replica slot is taken
+        cancelled = False
+
+        def __await__(self):
+            return asyncio.get_running_loop().create_future().__await__()
+
+        def cancel(self):
+            Queued.cancelled = True
+
+    class Saturated:
+        class describe:  # noqa: N801 - the handle's method name
+            remote = staticmethod(Queued)
+
+    router = object.__new__(EncoderRouter.func_or_class)
+    router.encoder, router._described = Saturated, None
+
+    async def ask() -> tuple[dict, float]:
+        start = time.perf_counter()
+        return await router._describe_encoder(), time.perf_counter() - start
+
+    busy, waited = asyncio.run(ask())
+    assert busy["status"] == "busy" and Queued.cancelled and waited < DESCRIBE_TIMEOUT_S + 1
+    router._described = (time.monotonic() - 5, fresh)
+    stale, _ = asyncio.run(ask())
+    assert stale["stale_s"] >= 5 and stale["stats"] == fresh["stats"]
+
+
 def test_handle_refuses_unsupported_items_with_a_clear_error(url):
     handle = serve.get_app_handle("encoder")
     for bad in (12345, "a string", {"type": "video", "frames": [1, 2]}, {"type": "audio"}):
