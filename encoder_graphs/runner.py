@@ -12,6 +12,11 @@ segments (one image, a video, same-size images) runs there through the same comp
 as the graphs, as one dense batch, warmed at startup so that no request pays for a compile;
 its cost is measured apart from uncompiled eager's.
 
+Routes without a graph are priced from startup timings, corrected by what they measure on
+the packs they serve (`_learn`): a scale per (route, budget), since the startup timings miss
+host launch time, and a cold cost for an attention shape no such route has run yet (cuDNN
+builds a graph per dense shape, ~60-68 ms on the H100), which new shapes are priced with.
+
 Items run in a canonical order (`canonical_order`: longest segment first) and come back in the
 caller's: the same items in any order are one layout.
 
@@ -76,6 +81,8 @@ SIGHTINGS_KEPT = 4096
 """Pack keys whose sightings (or rejection) the runner remembers, least recently seen dropped."""
 RECURRING_MIN_FREE = 1 << 30
 """Free GPU memory (bytes) below which no recurring pack's graph is captured."""
+LEARNED_WEIGHT = 0.5
+"""Weight of the newest measurement in a route's learned cost scale (an exponential average)."""
 
 
 @dataclass(frozen=True)
@@ -188,6 +195,11 @@ def _moved(out: EncoderOutput, device: torch.device) -> EncoderOutput:
     return EncoderOutput(out.tokens.to(device), deepstack)
 
 
+def _shape(specs: Sequence[ItemSpec]) -> tuple[tuple[int, int], ...]:
+    """A pack's attention shape on its exact layout: runs of equal segments as (count, length)."""
+    return tuple(attention.segment_groups(segment_lengths(specs)))
+
+
 def canonical_order(specs: Sequence[ItemSpec]) -> list[int]:
     """Item indices in the order a pack runs: longest attention segment first, then most tokens,
     then by grid, stable among equal items. Outputs do not depend on the order (attention is per
@@ -259,6 +271,19 @@ class EncoderRunner:
         self._recurring: OrderedDict[PackKey, GraphEntry] = OrderedDict()
         self._sightings: OrderedDict[PackKey, int] = OrderedDict()
         """Times each pack key was seen; -1 once its graph was rejected (never tried again)."""
+        self._route_scale: dict[tuple[str, int], float] = {}
+        """(cost field, budget) -> measured / startup-estimated ms of a route without a graph
+        ("eager_ms" uncompiled, "exact_ms" compiled), learned from the packs it served. The
+        startup costs interpolate between full packs and do not see host launch time: on a slow
+        host the compiled exact route took 23.2 ms for a pack priced below its padded graph."""
+        self._shapes_run: OrderedDict[tuple[tuple[int, int], ...], None] = OrderedDict()
+        """Attention shapes (runs of equal segments as (count, length)) a route without a graph
+        has run. The first pack of a new shape builds cuDNN's attention graph for it: ~60-68 ms
+        per dense shape on the H100 (`benchmarks/results/cold_probe.json`)."""
+        self._cold_ms = 0.0
+        """What a new shape added to its first pack, learned from first packs (0 until one ran)."""
+        self._timing: tuple | None = None
+        """A route's timing still running on the GPU: (scale key, shape, estimate, start, end)."""
         self._compiled = config.compile and self.device.type == "cuda"
         self._exact_compiled = False
         """True once the compiled forward is warmed for exact layouts (`_warm_exact`)."""
@@ -488,6 +513,7 @@ class EncoderRunner:
         out = self._compiled_exact(pixels[:rows], equal)
         if out is None:
             return
+        self._shapes_run[_shape(equal)] = None
         self._exact_min_rows = min(self._exact_min_rows, rows)
         error = relative_error(out.tokens, eager.tokens[:tokens])
         if eager.deepstack is not None:
@@ -547,6 +573,7 @@ class EncoderRunner:
     def _run_ordered(
         self, pixel_values: torch.Tensor, specs: Sequence[ItemSpec], output_device: torch.device, recurring: bool
     ) -> list[ItemOutput]:
+        self._absorb_timing()
         self.stats.packs += 1
         self.stats.items += len(specs)
         tokens = sum(s.output_tokens for s in specs)
@@ -582,7 +609,14 @@ class EncoderRunner:
         output_device: torch.device,
     ) -> list[ItemOutput]:
         if isinstance(parts, str):
+            timed = parts == "cost" and self.use_graphs  # chosen by cost: learn what it really costs
+            start = self._timer() if timed else None
             out, compiled, fell_back = self._forward_exact(pixel_values, specs)
+            if timed:
+                field = "exact_ms" if compiled else "eager_ms"
+                entry = self._entries(budget, max(s.frame_patches for s in specs))[0]
+                estimate = self._startup_estimate_ms(entry, tokens, field)
+                self._time_route((field, budget), _shape(specs), estimate, start)
             self.stats.record_eager(parts, budget, tokens, compiled=compiled, recompile_fallback=fell_back)
             return self._split(_moved(out, output_device), specs)
         if len(parts) == 1:
@@ -719,6 +753,7 @@ class EncoderRunner:
         pool_before = pool_reserved_bytes(self._pool, self.device) if capture else 0
         try:
             expected = self._warm_recurring(entry)
+            self._shapes_run[_shape(specs)] = None  # its attention is built now
             if capture:
                 graph = torch.cuda.CUDAGraph()
                 with self._recurring_stance(entry):
@@ -814,9 +849,9 @@ class EncoderRunner:
             single = self._place(specs, budget)
             return [(whole, *single)] if single else "capacity"
         best: str | list = "cost"
-        cost = self._eager_estimate_ms(own[0], tokens)
+        cost = self._eager_estimate_ms(own[0], specs, tokens)
         if self._compiles_exact(specs):
-            cost = min(cost, self._eager_estimate_ms(own[0], tokens, "exact_ms"))
+            cost = min(cost, self._eager_estimate_ms(own[0], specs, tokens, "exact_ms"))
         # The budget's smallest graph bounds every single-graph plan from below: no host metadata
         # is built for a plan that cannot beat eager.
         if _replay_cost(own[0]) < cost:
@@ -869,9 +904,66 @@ class EncoderRunner:
             plan.append((indices, part_budget, longest))
         return plan
 
-    def _eager_estimate_ms(self, entry: GraphEntry, tokens: int, measured: str = "eager_ms") -> float:
+    # ---- learned route costs ----
+
+    def _timer(self):
+        """A start mark: a CUDA event on the current stream (no wait), else the host clock."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        self._absorb_timing()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _time_route(self, key: tuple[str, int], shape: tuple, estimate_ms: float, start) -> None:
+        """End a route's timing (`estimate_ms`: its startup estimate). CUDA: the GPU span between
+        the two events, read once it is done (`_absorb_timing`, at the next pack; no wait here).
+        The span includes the GPU's idle gaps while the host launches: the cost that makes a
+        route host-bound."""
+        if not math.isfinite(estimate_ms) or estimate_ms <= 0:
+            return
+        if not isinstance(start, torch.cuda.Event):
+            self._learn(key, shape, (time.perf_counter() - start) * 1e3, estimate_ms)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._timing = (key, shape, estimate_ms, start, end)
+
+    def _absorb_timing(self) -> None:
+        if self._timing is not None and self._timing[-1].query():
+            key, shape, estimate_ms, start, end = self._timing
+            self._timing = None
+            self._learn(key, shape, start.elapsed_time(end), estimate_ms)
+
+    def _learn(self, key: tuple[str, int], shape: tuple, measured_ms: float, estimate_ms: float) -> None:
+        """A shape's first pack teaches the cold cost (what it took beyond the route's learned
+        warm cost); later packs teach the route's scale."""
+
+        def average(old: float | None, new: float) -> float:
+            return new if old is None else (1 - LEARNED_WEIGHT) * old + LEARNED_WEIGHT * new
+
+        if shape in self._shapes_run:
+            self._shapes_run.move_to_end(shape)
+            self._route_scale[key] = average(self._route_scale.get(key), measured_ms / estimate_ms)
+            return
+        self._shapes_run[shape] = None
+        while len(self._shapes_run) > SIGHTINGS_KEPT:
+            self._shapes_run.popitem(last=False)
+        warm = self._route_scale.get(key, 1.0) * estimate_ms
+        self._cold_ms = average(self._cold_ms or None, max(0.0, measured_ms - warm))
+
+    def _eager_estimate_ms(
+        self, entry: GraphEntry, specs: Sequence[ItemSpec], tokens: int, measured: str = "eager_ms"
+    ) -> float:
         """Time of a pack of `tokens` without a graph (`measured`: "eager_ms" uncompiled, "exact_ms"
-        compiled), interpolated between full packs measured at startup."""
+        compiled): interpolated between full packs measured at startup, scaled by what that route
+        measured on this budget's packs so far, plus the learned cold cost if no route without a
+        graph has run the pack's attention shape yet."""
+        scale = self._route_scale.get((measured, entry.key[0]), 1.0)
+        cold = 0.0 if _shape(specs) in self._shapes_run else self._cold_ms
+        return scale * self._startup_estimate_ms(entry, tokens, measured) + cold
+
+    def _startup_estimate_ms(self, entry: GraphEntry, tokens: int, measured: str) -> float:
         budget, seqlen = entry.key
         own = getattr(entry, measured)
         if math.isnan(own):
@@ -946,6 +1038,10 @@ class EncoderRunner:
             "graphs_enabled": sum(e.enabled for e in self.entries.values()),
             "capture_seconds": round(self.capture_seconds, 2),
             "recurring_graphs": len(self._recurring),
+            "learned_cold_ms": round(self._cold_ms, 2),
+            "learned_route_scale": {
+                f"{field}@{budget}": round(v, 3) for (field, budget), v in self._route_scale.items()
+            },
             "memory": self.memory.summary() if self.use_graphs else None,
             "stats": self.stats.snapshot(),
         }

@@ -340,6 +340,45 @@ def test_exact_route_is_priced_and_offered_only_where_measured(qwen3):
     assert runner.stats.last.graph and runner.stats.recompile_fallbacks == 0
 
 
+def test_a_route_without_a_graph_learns_its_cost_from_the_packs_it_serves(qwen3):
+    """The startup costs interpolate between full packs and miss host launch time and the first
+    run of a new attention shape (cuDNN builds its graph for it). The route measures the packs it
+    serves (the GPU span on CUDA, the host clock here): a shape's first pack teaches the cold
+    cost, which new shapes are priced with; later packs teach the route's scale."""
+    encoder, reference = qwen3
+
+    def runner_priced_below_its_graphs(graph_ms):
+        runner = runner_with_costs(encoder, lambda budget: graph_ms, eager_ms=50.0)
+        runner._exact_compiled = True  # the plain forward stands in for the compiled one
+        for entry in runner.entries.values():
+            entry.exact_ms = 1e-3  # priced far below the graphs; a real forward takes milliseconds
+        return runner
+
+    rng = np.random.default_rng(15)
+    two = make_images(encoder, rng, [(256, 256)] * 2)
+    three = make_images(encoder, rng, [(256, 256)] * 3)  # another attention shape
+    runner = runner_priced_below_its_graphs(0.2)
+
+    def route(pixels, specs) -> str:
+        assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs, recurring=False))
+        last = runner.stats.last
+        return "graph" if last.graph else "exact" if last.compiled else "eager"
+
+    assert route(*two) == "exact"  # as priced; its shape was new: what it took is the cold cost
+    described = runner.describe()
+    assert described["learned_cold_ms"] > 0.2 and described["learned_route_scale"] == {}
+    assert route(*three) == "graph"  # a new shape, priced with the cold cost
+    assert route(*two) == "exact"  # a shape run before: no cold cost; this run teaches the scale
+    budget = runner.stats.last.budget
+    assert runner.describe()["learned_route_scale"][f"exact_ms@{budget}"] > 200
+    assert route(*two) == "graph"  # the route as measured costs more than the graph
+
+    fair = runner_priced_below_its_graphs(1e9)  # a route cheaper than the graphs as measured
+    for _ in range(3):
+        fair.run(*two, recurring=False)
+        assert fair.stats.last.compiled
+
+
 def test_a_failing_exact_warm_up_leaves_the_route_off_and_the_runner_serving(qwen3, caplog):
     """The exact route is an optimisation: if its startup compile fails, `capture` logs it and the
     runner serves as without it."""
