@@ -88,7 +88,7 @@ class GraphSettings(_Strict):
         16, ge=0, description="Most graphs of recurring packs' exact layouts kept (LRU); 0: off."
     )
     recurring_after: int = Field(
-        2, ge=1, description="A pack (its items' grids, in order) gets its own graph when seen this often."
+        2, ge=1, description="A pack (its items' grids, in any order) gets its own graph when seen this often."
     )
 
     def to_config(self) -> GraphConfig:

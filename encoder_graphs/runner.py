@@ -138,7 +138,7 @@ class GraphConfig:
     Each costs its own input buffers (its pixels and metadata: ~18 MiB for 8 x 448x448 of
     Qwen3-VL-8B) and whatever the shared pool grows by while capturing it (both reported)."""
     recurring_after: int = 2
-    """A pack gets its own graph the time its key (items' grids, in order) is seen this often."""
+    """A pack gets its own graph the time its key (items' grids, in any order) is seen this often."""
 
 
 @dataclass
@@ -195,9 +195,10 @@ def _moved(out: EncoderOutput, device: torch.device) -> EncoderOutput:
     return EncoderOutput(out.tokens.to(device), deepstack)
 
 
-def _shape(specs: Sequence[ItemSpec]) -> tuple[tuple[int, int], ...]:
-    """A pack's attention shape on its exact layout: runs of equal segments as (count, length)."""
-    return tuple(attention.segment_groups(segment_lengths(specs)))
+def _shapes(specs: Sequence[ItemSpec]) -> list[tuple[int, int]]:
+    """A pack's attention shapes on its exact layout: its runs of equal segments as (count,
+    length), each one dense batch (cuDNN builds a graph per batch shape)."""
+    return attention.segment_groups(segment_lengths(specs))
 
 
 def canonical_order(specs: Sequence[ItemSpec]) -> list[int]:
@@ -276,12 +277,13 @@ class EncoderRunner:
         ("eager_ms" uncompiled, "exact_ms" compiled), learned from the packs it served. The
         startup costs interpolate between full packs and do not see host launch time: on a slow
         host the compiled exact route took 23.2 ms for a pack priced below its padded graph."""
-        self._shapes_run: OrderedDict[tuple[tuple[int, int], ...], None] = OrderedDict()
-        """Attention shapes (runs of equal segments as (count, length)) a route without a graph
-        has run. The first pack of a new shape builds cuDNN's attention graph for it: ~60-68 ms
+        self._shapes_run: OrderedDict[tuple[int, int], None] = OrderedDict()
+        """Attention shapes ((count, length) of a run of equal segments) run on an exact layout:
+        by a route without a graph, the compiled route's startup check, or a recurring pack's
+        warm-up. The first pack of a new shape builds cuDNN's attention graph for it: ~60-68 ms
         per dense shape on the H100 (`benchmarks/results/cold_probe.json`)."""
-        self._cold_ms = 0.0
-        """What a new shape added to its first pack, learned from first packs (0 until one ran)."""
+        self._cold_ms: float | None = None
+        """What a new shape added to its first pack, learned from first packs (None: not yet)."""
         self._timing: tuple | None = None
         """A route's timing still running on the GPU: (scale key, shape, estimate, start, end)."""
         self._compiled = config.compile and self.device.type == "cuda"
@@ -513,7 +515,7 @@ class EncoderRunner:
         out = self._compiled_exact(pixels[:rows], equal)
         if out is None:
             return
-        self._shapes_run[_shape(equal)] = None
+        self._mark_run(_shapes(equal))
         self._exact_min_rows = min(self._exact_min_rows, rows)
         error = relative_error(out.tokens, eager.tokens[:tokens])
         if eager.deepstack is not None:
@@ -592,6 +594,7 @@ class EncoderRunner:
         start = time.perf_counter()
         outputs = self._run_plan(parts, pixel_values, specs, budget, tokens, output_device)
         self._synchronize()
+        self._absorb_timing()  # before the capture marks the pack's shapes as run
         self._capture_recurring(key, pixel_values, specs, (time.perf_counter() - start) * 1e3, output_device)
         return outputs
 
@@ -612,11 +615,11 @@ class EncoderRunner:
             timed = parts == "cost" and self.use_graphs  # chosen by cost: learn what it really costs
             start = self._timer() if timed else None
             out, compiled, fell_back = self._forward_exact(pixel_values, specs)
-            if timed:
+            if timed and not fell_back:  # a fallback also paid for the failed compiled attempt
                 field = "exact_ms" if compiled else "eager_ms"
                 entry = self._entries(budget, max(s.frame_patches for s in specs))[0]
                 estimate = self._startup_estimate_ms(entry, tokens, field)
-                self._time_route((field, budget), _shape(specs), estimate, start)
+                self._time_route((field, budget), _shapes(specs), estimate, start)
             self.stats.record_eager(parts, budget, tokens, compiled=compiled, recompile_fallback=fell_back)
             return self._split(_moved(out, output_device), specs)
         if len(parts) == 1:
@@ -753,7 +756,7 @@ class EncoderRunner:
         pool_before = pool_reserved_bytes(self._pool, self.device) if capture else 0
         try:
             expected = self._warm_recurring(entry)
-            self._shapes_run[_shape(specs)] = None  # its attention is built now
+            self._mark_run(_shapes(specs))  # its attention is built now
             if capture:
                 graph = torch.cuda.CUDAGraph()
                 with self._recurring_stance(entry):
@@ -912,45 +915,53 @@ class EncoderRunner:
             return time.perf_counter()
         self._absorb_timing()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def _time_route(self, key: tuple[str, int], shape: tuple, estimate_ms: float, start) -> None:
+    def _time_route(self, key: tuple[str, int], shapes: list, estimate_ms: float, start) -> None:
         """End a route's timing (`estimate_ms`: its startup estimate). CUDA: the GPU span between
         the two events, read once it is done (`_absorb_timing`, at the next pack; no wait here).
         The span includes the GPU's idle gaps while the host launches: the cost that makes a
         route host-bound."""
         if not math.isfinite(estimate_ms) or estimate_ms <= 0:
+            self._mark_run(shapes)
             return
         if not isinstance(start, torch.cuda.Event):
-            self._learn(key, shape, (time.perf_counter() - start) * 1e3, estimate_ms)
+            self._learn(key, shapes, (time.perf_counter() - start) * 1e3, estimate_ms)
             return
         end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self._timing = (key, shape, estimate_ms, start, end)
+        end.record(torch.cuda.current_stream(self.device))
+        if self._timing is not None:  # still running (`_timer` read it if done): dropped, its shapes built
+            self._mark_run(self._timing[1])
+        self._timing = (key, shapes, estimate_ms, start, end)
 
     def _absorb_timing(self) -> None:
         if self._timing is not None and self._timing[-1].query():
-            key, shape, estimate_ms, start, end = self._timing
+            key, shapes, estimate_ms, start, end = self._timing
             self._timing = None
-            self._learn(key, shape, start.elapsed_time(end), estimate_ms)
+            self._learn(key, shapes, start.elapsed_time(end), estimate_ms)
 
-    def _learn(self, key: tuple[str, int], shape: tuple, measured_ms: float, estimate_ms: float) -> None:
-        """A shape's first pack teaches the cold cost (what it took beyond the route's learned
-        warm cost); later packs teach the route's scale."""
+    def _mark_run(self, shapes) -> None:
+        for shape in shapes:
+            self._shapes_run[shape] = None
+            self._shapes_run.move_to_end(shape)
+        while len(self._shapes_run) > SIGHTINGS_KEPT:
+            self._shapes_run.popitem(last=False)
+
+    def _learn(self, key: tuple[str, int], shapes: list, measured_ms: float, estimate_ms: float) -> None:
+        """A pack of shapes all run before teaches the route's scale; a pack with a new shape
+        teaches the cold cost (what it took beyond the route's learned warm cost), once that
+        scale is known (before, the two cannot be told apart: the pack only marks its shapes)."""
 
         def average(old: float | None, new: float) -> float:
             return new if old is None else (1 - LEARNED_WEIGHT) * old + LEARNED_WEIGHT * new
 
-        if shape in self._shapes_run:
-            self._shapes_run.move_to_end(shape)
+        cold = not all(shape in self._shapes_run for shape in shapes)
+        self._mark_run(shapes)
+        if not cold:
             self._route_scale[key] = average(self._route_scale.get(key), measured_ms / estimate_ms)
-            return
-        self._shapes_run[shape] = None
-        while len(self._shapes_run) > SIGHTINGS_KEPT:
-            self._shapes_run.popitem(last=False)
-        warm = self._route_scale.get(key, 1.0) * estimate_ms
-        self._cold_ms = average(self._cold_ms or None, max(0.0, measured_ms - warm))
+        elif key in self._route_scale:
+            self._cold_ms = average(self._cold_ms, max(0.0, measured_ms - self._route_scale[key] * estimate_ms))
 
     def _eager_estimate_ms(
         self, entry: GraphEntry, specs: Sequence[ItemSpec], tokens: int, measured: str = "eager_ms"
@@ -960,7 +971,8 @@ class EncoderRunner:
         measured on this budget's packs so far, plus the learned cold cost if no route without a
         graph has run the pack's attention shape yet."""
         scale = self._route_scale.get((measured, entry.key[0]), 1.0)
-        cold = 0.0 if _shape(specs) in self._shapes_run else self._cold_ms
+        new = not all(shape in self._shapes_run for shape in _shapes(specs))
+        cold = (self._cold_ms or 0.0) if new else 0.0
         return scale * self._startup_estimate_ms(entry, tokens, measured) + cold
 
     def _startup_estimate_ms(self, entry: GraphEntry, tokens: int, measured: str) -> float:
@@ -1038,9 +1050,10 @@ class EncoderRunner:
             "graphs_enabled": sum(e.enabled for e in self.entries.values()),
             "capture_seconds": round(self.capture_seconds, 2),
             "recurring_graphs": len(self._recurring),
-            "learned_cold_ms": round(self._cold_ms, 2),
+            "learned_cold_ms": None if self._cold_ms is None else round(self._cold_ms, 2),
+            # a copy first: a pack on the worker thread may add a key meanwhile
             "learned_route_scale": {
-                f"{field}@{budget}": round(v, 3) for (field, budget), v in self._route_scale.items()
+                f"{field}@{budget}": round(v, 3) for (field, budget), v in list(self._route_scale.items())
             },
             "memory": self.memory.summary() if self.use_graphs else None,
             "stats": self.stats.snapshot(),

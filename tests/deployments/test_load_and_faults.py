@@ -133,8 +133,10 @@ def test_2000_mixed_requests_at_concurrency_64_lose_nothing(serve_harness, refer
         },
     )
     # /v1/models waits on the encoder at most DESCRIBE_TIMEOUT_S, the rest is a loaded router
-    # (2.2-2.3 s here; without the bound 3.4-6.0 s, queued behind packs for a replica slot)
-    assert max(models_s) < DESCRIBE_TIMEOUT_S + 3, models_s
+    # (2.2-2.3 s on this project's CI-class machine; without the bound 3.4-6.0 s, queued behind
+    # packs for a replica slot). A liveness bound, generous for slower machines: the timeout
+    # path itself is tested in test_encode_app.py.
+    assert max(models_s) < DESCRIBE_TIMEOUT_S + 10, models_s
     assert rss[-1] - rss[0] < 48, f"router memory grew: {rss}"
 
 
