@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.environment import environment  # noqa: E402
 from encoder_graphs.selfcheck import graph_replay_ms, relative_error  # noqa: E402
 from models import attention  # noqa: E402
 
@@ -103,10 +104,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     record = {
-        "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cudnn": torch.backends.cudnn.version(),
+        **environment(),
         "mixed": {},
         "padded_head_dim_12544": padded_dim_rows(),
     }

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.encoder_bench import CASES, build_case  # noqa: E402
+from benchmarks.environment import environment  # noqa: E402
 from encoder_graphs.runner import EncoderRunner, GraphConfig  # noqa: E402
 from models import attention, from_preset  # noqa: E402
 
@@ -85,14 +86,9 @@ def main() -> None:
         ms = [synced_ms(attend) for _ in range(3)]
         sdpa.append({"batch": count, "seqlen": length, "ms": [round(m, 3) for m in ms]})
         print(f"sdpa {count} x {length}: {ms[0]:.2f} ms first, then {ms[1]:.3f}, {ms[2]:.3f}", flush=True)
-    import transformers
 
     record = {
-        "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cudnn": torch.backends.cudnn.version(),
+        **environment(),
         "attention": attention.DEFAULT_BACKEND,
         "preset": args.preset,
         "exact_warm_up_s": round(warm_s, 1),

@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.environment import environment  # noqa: E402
 from encoder_graphs.selfcheck import back_to_back_ms, graph_replay_ms  # noqa: E402
 from models.layout import padded_cu_seqlens  # noqa: E402
 
@@ -222,10 +223,7 @@ def main() -> None:
     import cudnn
 
     record = {
-        "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cudnn": torch.backends.cudnn.version(),
+        **environment(),
         "cudnn_frontend": getattr(cudnn, "__version__", "?"),
         "cudnn_frontend_backend": cudnn.backend_version_string(),
     }

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.environment import environment  # noqa: E402
 from encoder_graphs.runner import EncoderRunner, GraphConfig, canonical_order  # noqa: E402
 from encoder_graphs.selfcheck import back_to_back_ms, interleaved_ms  # noqa: E402
 from models import attention, from_preset, transformers_tower  # noqa: E402
@@ -166,7 +166,8 @@ def bench_preset(preset: str, device: torch.device, dtype: torch.dtype, config: 
         hf_ms, eager_ms, graph_ms, recurring_ms = (timings[k] for k in ("hf", "eager", "graph", "recurring"))
         # The route of the very first run, and the one the timed runs took (the runner learns
         # what a route without a graph really costs from the packs it serves, and may switch)
-        timed = max(set(routes[-10:]), key=routes[-10:].count)
+        counts = {r: routes[-10:].count(r) for r in sorted(set(routes[-10:]))}
+        timed = next(iter(counts)) if len(counts) == 1 else "/".join(f"{r} x{n}" for r, n in counts.items())
         path = timed if routes[0] == timed else f"{routes[0]}->{timed}"
         rows.append(
             {
@@ -195,6 +196,7 @@ def bench_preset(preset: str, device: torch.device, dtype: torch.dtype, config: 
         "memory": runner.memory.summary() if runner.use_graphs else None,
         "stats": runner.stats.snapshot(),
         "learned_route_scale": runner.describe()["learned_route_scale"],
+        "learned_cold_ms": runner.describe()["learned_cold_ms"],
         "graph_timings": [
             {
                 "token_budget": key[0],
@@ -222,8 +224,8 @@ def format_table(result: dict) -> str:
         "",
         "No graph of its own (`graph`, by the route its costs pick; `a->b`: the first run's route, then "
         "the timed runs', the runner having learned a route's cost from the first) and recurring "
-        f"(`rec.`: the pack's own exact-layout graph where kept). Learned route scales: "
-        f"{result.get('learned_route_scale')}",
+        f"(`rec.`: the pack's own exact-layout graph where kept; `a x3/b x7`: timed runs by route). "
+        f"Learned route scales: {result.get('learned_route_scale')}, cold cost: {result.get('learned_cold_ms')} ms",
         "",
         "| case | patches | HF ms | eager ms | graph ms | route | graph/HF | graph/eager | graph tok/s "
         "| floor ms | MFU HF | MFU eager | MFU graph | rec. ms | kept | rec./HF | rec./eager | MFU rec. |",
@@ -278,20 +280,14 @@ def main() -> None:
         compile=args.compile,
         compile_exact=args.compile_exact,
     )
-    import transformers
 
     record = {
-        "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
+        **environment(),
         "dtype": args.dtype,
         "attention": backend,
         "cudnn_frontend": _frontend_version(),
         "compile": args.compile,
         "compile_exact": args.compile_exact,
-        "date": time.strftime("%Y-%m-%d"),
         "results": [bench_preset(p, device, dtype, config) for p in args.presets],
     }
     # The peak is measured before and after the cases (clocks drift with heat); MFU uses the

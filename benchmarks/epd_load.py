@@ -25,6 +25,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.environment import environment  # noqa: E402
+
 SIZES = [(224, 224), (448, 448), (640, 480), (896, 896)]
 
 
@@ -95,15 +97,9 @@ def main() -> None:
     usage = [r[1]["usage"] for r in results if r[0] == 200]
     llm = serve.get_deployment_handle("LLMReplica", app_name="epd").describe.remote().result()
     router = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["router"]
-    import torch
-    import transformers
 
     record = {
-        "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "date": time.strftime("%Y-%m-%d"),
+        **environment(),
         "requests": len(results),
         "ok": len(latencies),
         "wall_s": wall_s,

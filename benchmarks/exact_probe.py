@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.encoder_bench import CASES, build_case, measure_peak_tflops, useful_flops  # noqa: E402
+from benchmarks.environment import environment  # noqa: E402
 from benchmarks.fusion_probe import categorize  # noqa: E402
 from encoder_graphs.selfcheck import graph_replay_ms, interleaved_ms, relative_error  # noqa: E402
 from models import from_preset  # noqa: E402
@@ -153,10 +154,7 @@ def main() -> None:
             key = "attention" if ("sdpa" in name or "fmha" in name or "cudnn" in name) else categorize(event.key)
             totals[key] = totals.get(key, 0.0) + event.device_time_total / 3 / 1e3
     record = {
-        "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cudnn": torch.backends.cudnn.version(),
+        **environment(),
         "peak_tflops": peak,
         "cases": rows,
         "profile_ms_exact_8x448": dict(sorted(totals.items(), key=lambda kv: -kv[1])),

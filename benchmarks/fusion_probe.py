@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.environment import environment  # noqa: E402
 from encoder_graphs.runner import EncoderRunner, GraphConfig  # noqa: E402
 from encoder_graphs.selfcheck import back_to_back_ms, graph_replay_ms, relative_error  # noqa: E402
 from models import from_preset  # noqa: E402
@@ -180,9 +181,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     record = {
-        "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
+        **environment(),
     }
     record["graph"] = graph_probe()  # first: a fresh process, as the runner starts in a replica
     record["mlp"] = mlp_probe()

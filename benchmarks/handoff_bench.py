@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.environment import environment  # noqa: E402
 from models.protocol import ItemOutput  # noqa: E402
 
 HIDDEN, DEEPSTACK = 4096, 3
@@ -97,12 +98,10 @@ def main() -> None:
             f"{r['router_held_bytes'] / 1e6:.1f} | {r['handoff_ms']:.2f} |"
         )
     record = {
-        "command": " ".join(sys.argv),
+        **environment(),
         "machine": platform.platform(),
         "cpus": ray.cluster_resources().get("CPU"),
         "ray": ray.__version__,
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
         "rows": rows,
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.encoder_bench import CASES, build_case  # noqa: E402
+from benchmarks.environment import environment  # noqa: E402
 from encoder_graphs.runner import _exact_state  # noqa: E402
 from encoder_graphs.selfcheck import graph_replay_ms, time_ms  # noqa: E402
 from models import attention, from_preset  # noqa: E402
@@ -115,10 +116,8 @@ def main() -> None:
     torch.cuda.synchronize()
     print(json.dumps({"dense_call_us": dense_call_us}), flush=True)
     record = {
-        "command": " ".join(sys.argv),
+        **environment(),
         "dense_call_us_8x784": dense_call_us,
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
         "warm_s": warm_s,
         "cases": rows,
     }

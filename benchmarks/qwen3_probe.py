@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.environment import environment  # noqa: E402
 from encoder_graphs.budgets import fitting_budget  # noqa: E402
 from encoder_graphs.runner import EncoderRunner, GraphConfig  # noqa: E402
 from encoder_graphs.selfcheck import back_to_back_ms, graph_replay_ms  # noqa: E402
@@ -193,10 +194,7 @@ def main() -> None:
     parser.add_argument("--skip-attention", action="store_true")
     args = parser.parse_args()
     record = {
-        "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cudnn": torch.backends.cudnn.version(),
+        **environment(),
         "attention": [] if args.skip_attention else attention_probe(),
         "runs": [],
     }

@@ -19,7 +19,6 @@ import base64
 import io
 import json
 import os
-import platform
 import re
 import statistics
 import sys
@@ -31,6 +30,8 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.environment import environment  # noqa: E402
 
 SIZES = [(224, 224), (448, 448), (640, 480), (896, 896), (1280, 720), (300, 1000)]
 BAD_ITEMS = [
@@ -279,16 +280,10 @@ def main() -> None:
     summary["encoder"] = model.get("encoder")
     if args.verify:
         summary["verify"] = verify(results, pool, model_args, args.tolerance)
-    import torch
-    import transformers
 
     record = {
-        "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        **environment(),
         "cpu_cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "date": time.strftime("%Y-%m-%d"),
         "config": args.config,
         "concurrency": args.concurrency,
         "summary": summary,

@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.encoder_bench import CASES, build_case, measure_peak_tflops, useful_flops  # noqa: E402
+from benchmarks.environment import environment  # noqa: E402
 from encoder_graphs.selfcheck import graph_replay_ms, relative_error  # noqa: E402
 from models import from_preset  # noqa: E402
 
@@ -121,9 +122,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     record = {
-        "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
+        **environment(),
         "peak_tflops": peak,
         "rows": rows,
     }

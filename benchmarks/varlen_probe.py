@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.environment import environment  # noqa: E402
 from encoder_graphs.selfcheck import back_to_back_ms  # noqa: E402
 from models import attention  # noqa: E402
 
@@ -49,10 +50,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {
-        "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cudnn": torch.backends.cudnn.version(),
+        **environment(),
         "rows": rows,
         "heads": heads,
         "head_dim": dim,
