@@ -913,7 +913,6 @@ class EncoderRunner:
         """A start mark: a CUDA event on the current stream (no wait), else the host clock."""
         if self.device.type != "cuda":
             return time.perf_counter()
-        self._absorb_timing()
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
         return event
@@ -931,7 +930,7 @@ class EncoderRunner:
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record(torch.cuda.current_stream(self.device))
-        if self._timing is not None:  # still running (`_timer` read it if done): dropped, its shapes built
+        if self._timing is not None:  # still running at this pack's start: dropped, its shapes built
             self._mark_run(self._timing[1])
         self._timing = (key, shapes, estimate_ms, start, end)
 
