@@ -83,6 +83,13 @@ RECURRING_MIN_FREE = 1 << 30
 """Free GPU memory (bytes) below which no recurring pack's graph is captured."""
 LEARNED_WEIGHT = 0.5
 """Weight of the newest measurement in a route's learned cost scale (an exponential average)."""
+FORGET_HALF_LIFE = 128
+"""Packs a route without a graph must lose to a graph for half of what it learned beyond its
+startup estimate (a scale above 1, the cold cost) to be forgotten. A route is measured only when
+it runs, so without forgetting, one slow measurement (a host hiccup, a compile in another thread)
+would price it out for good. With it, a priced-out route is tried again after a while and learns
+anew; what that costs shrinks with the margin it lost by (a route truly 6x over its estimate,
+losing by 3x, runs again after ~300 lost packs)."""
 
 
 @dataclass(frozen=True)
@@ -268,6 +275,8 @@ class EncoderRunner:
         }
         self._pool = None
         self._side = None
+        self._serving = False
+        """True once `capture` is done: requests may no longer compile."""
         self._forward = self.encoder.forward_padded
         self._recurring: OrderedDict[PackKey, GraphEntry] = OrderedDict()
         self._sightings: OrderedDict[PackKey, int] = OrderedDict()
@@ -340,16 +349,34 @@ class EncoderRunner:
                     f"(+{self.memory.graph_bytes[key] / 2**20:.1f} MiB)"
                 )
             self.memory.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)
+        elif self._compiled:
+            self._warm_compiled(progress)
         if self._compiled and self.config.compile_exact:
             try:
                 self._warm_exact(progress)
             except Exception:  # an optimisation: the replica serves without it
                 logger.exception("compiling the exact-layout route failed; packs without a graph run uncompiled")
-        if self.use_graphs and self.config.self_check:
-            self.self_check(progress)
+        if (self.use_graphs or self._compiled) and self.config.self_check:
+            self.self_check(progress)  # without graphs: the compiled forward, checked as graphs are
+        self._serving = True
         self.capture_seconds = time.perf_counter() - start
         progress(f"graphs ready in {self.capture_seconds:.1f} s: {self.memory.summary()}")
         return self.memory
+
+    def _warm_compiled(self, progress: Callable[[str], None]) -> None:
+        """`compile` without `cuda_graphs`: packs run the compiled forward on the budgets' padded
+        layouts, so compile it for each now (largest first, as graphs are captured), not on the
+        first requests (tens of seconds each on the H100)."""
+        order = sorted(self.entries, reverse=True)
+        for index, key in enumerate(order, 1):
+            entry = self.entries[key]
+            self._fill(
+                entry,
+                torch.zeros(0, self.encoder.patch_dim, device=self.device),
+                self.encoder.pack_metadata([], entry.layout),
+            )
+            self._forward_into_outputs(entry)
+            progress(f"compiled forward {index}/{len(order)}: budget {key[0]} tokens, max_seqlen {key[1]}")
 
     def _check_memory(self) -> None:
         # One unmeasured forward first: one-time allocations (library workspaces) must not enter
@@ -852,9 +879,12 @@ class EncoderRunner:
             single = self._place(specs, budget)
             return [(whole, *single)] if single else "capacity"
         best: str | list = "cost"
+        route = "eager_ms"
         cost = self._eager_estimate_ms(own[0], specs, tokens)
         if self._compiles_exact(specs):
-            cost = min(cost, self._eager_estimate_ms(own[0], specs, tokens, "exact_ms"))
+            exact = self._eager_estimate_ms(own[0], specs, tokens, "exact_ms")
+            if exact < cost:
+                route, cost = "exact_ms", exact
         # The budget's smallest graph bounds every single-graph plan from below: no host metadata
         # is built for a plan that cannot beat eager.
         if _replay_cost(own[0]) < cost:
@@ -871,6 +901,8 @@ class EncoderRunner:
             # price the graphs it really lands in.
             if all(placed) and sum(_replay_cost(entry) for entry, _ in placed) < cost:
                 best = [(indices, *where) for (indices, _, _), where in zip(split, placed)]
+        if not isinstance(best, str):
+            self._forget((route, budget), specs)
         return best
 
     def _split_plan(self, specs: Sequence[ItemSpec], budget: int) -> list[tuple[list[int], int, int]] | None:
@@ -962,6 +994,16 @@ class EncoderRunner:
         elif key in self._route_scale:
             self._cold_ms = average(self._cold_ms, max(0.0, measured_ms - self._route_scale[key] * estimate_ms))
 
+    def _forget(self, key: tuple[str, int], specs: Sequence[ItemSpec]) -> None:
+        """The route `key` lost this pack to a graph: forget a little of what it learned beyond its
+        startup estimate (`FORGET_HALF_LIFE`), the cold cost too when the pack had a new shape."""
+        factor = 0.5 ** (1 / FORGET_HALF_LIFE)
+        scale = self._route_scale.get(key)
+        if scale is not None and scale > 1.0:
+            self._route_scale[key] = 1.0 + (scale - 1.0) * factor
+        if self._cold_ms and not all(shape in self._shapes_run for shape in _shapes(specs)):
+            self._cold_ms *= factor
+
     def _eager_estimate_ms(
         self, entry: GraphEntry, specs: Sequence[ItemSpec], tokens: int, measured: str = "eager_ms"
     ) -> float:
@@ -1013,8 +1055,19 @@ class EncoderRunner:
     def _execute(self, entry: GraphEntry) -> None:
         if entry.graph is not None:
             entry.graph.replay()
-        else:
+        elif not (self._compiled and self._serving and entry.forward in (None, self._forward)):
             self._forward_into_outputs(entry)
+        else:  # compiled, no graph, serving: no compile on a request (`_warm_compiled` made them)
+            try:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    self._forward_into_outputs(entry)
+            except RuntimeError as error:
+                if "fail_on_recompile" not in str(error):
+                    raise
+                self.stats.recompile_fallbacks += 1
+                logger.warning("the compiled forward would recompile for budget %s; it runs uncompiled", entry.key)
+                entry.forward = self.encoder.forward_padded
+                self._forward_into_outputs(entry)
 
     def _take(self, entry: GraphEntry, tokens: int, device: torch.device) -> tuple[EncoderOutput, torch.Tensor]:
         """The used output rows and their finite flags, copied (once) out of the shared static

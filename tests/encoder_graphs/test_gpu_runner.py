@@ -194,6 +194,31 @@ def test_compiled_exact_route_serves_unseen_shapes_without_compiling(encoder, re
     assert counters["stats"]["unique_graphs"] == compiled_graphs
 
 
+def test_compile_without_graphs_compiles_every_budget_at_startup(encoder, references):
+    """`compile: true`, `cuda_graphs: false`: packs run the compiled forward on the budgets'
+    padded layouts. `capture` compiles it for each and self-checks it, so no request compiles."""
+    from torch._dynamo.utils import counters
+
+    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=256, compile=True, cuda_graphs=False))
+    runner.capture()
+    checked = {key: (e.graph, e.enabled, e.self_check_error) for key, e in runner.entries.items()}
+    assert all(graph is None and enabled and error >= 0 for graph, enabled, error in checked.values()), checked
+    compiled_graphs = counters["stats"]["unique_graphs"]
+    pre = encoder.preprocessor
+    rng = np.random.default_rng(6)
+    for sizes in ([(224, 224)], [(300, 400), (200, 240)], [(448, 448)], [(200, 200)] * 4):
+        resized = [pre.resize_image(random_image(rng, h, w)) for h, w in sizes]
+        specs = [pre.spec("image", 1, *r.shape[-2:]) for r in resized]
+        pixels = pre.pixel_values(resized, "image", device="cuda").to(encoder.dtype)
+        with torch.inference_mode():
+            outputs = runner.run(pixels, specs)
+        assert runner.stats.last.graph, sizes  # the budget's layout, without a graph
+        for ours, theirs in item_errors(references, pixels, specs, outputs):
+            assert ours <= 1.5 * theirs + 1e-3, (sizes, ours, theirs)
+    assert runner.stats.recompile_fallbacks == 0
+    assert counters["stats"]["unique_graphs"] == compiled_graphs
+
+
 def test_recurring_pack_gets_its_own_graph_and_matches_transformers(encoder, runner, references):
     """A pack seen twice gets a graph of its exact layout (no padding rows), captured on that
     request and kept because it replays faster than its padded graph; later sightings replay it.

@@ -289,6 +289,29 @@ def test_exact_route_runs_uncompiled_rather_than_compile_on_a_request(qwen3):
     torch._dynamo.reset()
 
 
+def test_compile_without_graphs_never_compiles_on_a_request(qwen3):
+    """`compile: true` with `cuda_graphs: false`: packs run the compiled forward on the budgets'
+    padded layouts, which `capture` compiles for every budget (GPU test). A layout that would
+    still need a compile on a request (here: startup skipped) runs uncompiled instead, once
+    counted: its output is the same, and later packs of it do not try again. The "eager" backend
+    keeps dynamo's guards (CPU, seconds)."""
+    import torch._dynamo
+
+    encoder, reference = qwen3
+    runner = EncoderRunner(encoder, GraphConfig(budgets=(64, 256)))
+    torch._dynamo.reset()
+    runner._compiled = True  # as on CUDA with `compile`
+    runner._forward = torch.compile(encoder.forward_padded, backend="eager", dynamic=True)
+    runner._serving = True  # as after `capture`, which did not compile
+    rng = np.random.default_rng(17)
+    packs = [make_images(encoder, rng, sizes) for sizes in ([(256, 256)], [(256, 256), (320, 288), (224, 224)])]
+    for pixels, specs in packs + packs:
+        assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+        assert runner.stats.last.graph  # through the budgets' buffers, as on CUDA without graphs
+    assert runner.stats.recompile_fallbacks == 2  # one per budget's layout, then uncompiled for good
+    torch._dynamo.reset()
+
+
 def test_a_wrong_compiled_exact_route_is_turned_off_at_startup(qwen3):
     """The exact route is self-checked against eager like the graphs: a stand-in for the compiled
     forward that is wrong only on exact (dense) layouts turns the route off; the graphs stay."""
@@ -379,6 +402,47 @@ def test_a_route_without_a_graph_learns_its_cost_from_the_packs_it_serves(qwen3)
     assert runner.describe()["learned_cold_ms"] > 200
     assert route(*other) == "graph"  # a new shape, priced with the cold cost
     assert route(*two) == "exact"  # a shape run before: no cold cost
+
+
+@pytest.mark.parametrize("half_life", [1, 1e9])
+def test_a_route_priced_out_by_one_slow_run_is_tried_again(qwen3, monkeypatch, half_life):
+    """A route is measured only when it runs: one hiccup (here a 1 s stall on a warm shape) prices
+    it above the graph, and without forgetting it would never run, so never be corrected. Each
+    pack it loses forgets part of its learned excess (`FORGET_HALF_LIFE`, 1 here so the test is
+    short); it then runs again, and its next measurement brings the scale back down. With a
+    half-life too long to matter (the second case) it stays priced out."""
+    monkeypatch.setattr("encoder_graphs.runner.FORGET_HALF_LIFE", half_life)
+    encoder, reference = qwen3
+    stall = []
+
+    def hiccups(pixel_values, metadata, layout, exact_segments=False):
+        if exact_segments and stall:
+            time.sleep(stall.pop())
+        return encoder.forward_padded(pixel_values, metadata, layout, exact_segments)
+
+    runner = runner_with_costs(encoder, lambda budget: 150.0, eager_ms=1e9)
+    runner._exact_compiled, runner._forward = True, hiccups
+    for entry in runner.entries.values():
+        entry.exact_ms = 1e-3
+    pixels, specs = make_images(encoder, np.random.default_rng(16), [(256, 256)] * 2)
+
+    def route() -> str:
+        assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs, recurring=False))
+        return "graph" if runner.stats.last.graph else "exact"
+
+    assert [route(), route()] == ["exact", "exact"]  # the second run teaches the scale
+    settled = runner.describe()["learned_route_scale"]["exact_ms@128"]
+    assert settled * 1e-3 < 150
+    stall.append(1.0)
+    assert route() == "exact"  # the hiccup: ~1000 ms measured, learned at half weight
+    assert runner.describe()["learned_route_scale"]["exact_ms@128"] * 1e-3 > 150
+    routes = [route() for _ in range(6)]
+    if half_life == 1:
+        assert routes[0] == "graph" and "exact" in routes  # lost, forgot, ran again...
+        assert runner.describe()["learned_route_scale"]["exact_ms@128"] * 1e-3 < 150  # ...and relearned
+        assert routes[-1] == "exact"
+    else:
+        assert routes == ["graph"] * 6
 
 
 def test_a_failing_exact_warm_up_leaves_the_route_off_and_the_runner_serving(qwen3, caplog):
