@@ -37,11 +37,12 @@ class ModelSettings(_Strict):
         "auto", description="Tower dtype; auto: bfloat16 on CUDA, float32 on CPU."
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where encoder replicas run the tower.")
-    attention: Literal["auto", "cudnn", "flash"] = Field(
+    attention: Literal["auto", "cudnn", "flash", "triton"] = Field(
         attention.DEFAULT_BACKEND,
         description="CUDA varlen attention kernel: cudnn (cuDNN's, through nvidia-cudnn-frontend, the "
         "`cudnn` extra; Hopper or newer; FlashAttention-2 for short segments), flash (FlashAttention-2 "
-        "only) or auto (cudnn where it can serve, else flash).",
+        "only), triton (ours, a head-wide tile: models/triton_attention.py) or auto (cudnn where it can "
+        "serve, else flash). Equal unpadded segments run dense cuDNN SDPA under each.",
     )
 
     @model_validator(mode="after")

@@ -5,7 +5,7 @@ transformers' vision towers take the varlen branch (one kernel over all segments
 We register our own function under such a name:
 
 - CUDA: a varlen kernel over all segments, driven by `cu_seqlens` in a static int32 buffer,
-  no host sync, capturable in a CUDA graph. Two kernels (`set_backend`):
+  no host sync, capturable in a CUDA graph. Three kernels (`set_backend`):
   - cuDNN's, through NVIDIA's own Python frontend (`nvidia-cudnn-frontend`, the `cudnn`
     extra), for layouts whose `max_seqlen` is >= `CUDNN_MIN_SEQLEN`: it caches its built graph
     and derives the ragged offsets on the device, so it captures (torch 2.11's own cuDNN
@@ -14,7 +14,12 @@ We register our own function under such a name:
     16 x 72 heads and 1.64x at Qwen2.5-VL's 16 x 80 (`benchmarks/results/cudnn_probe.json`);
   - FlashAttention-2's (`aten._flash_attention_forward`): below that length (many short
     segments: Qwen2.5-VL's 64-patch windows, where cuDNN is 1.8x slower), and everywhere
-    when the frontend is not installed or the GPU is older than Hopper.
+    when the frontend is not installed or the GPU is older than Hopper;
+  - ours, in Triton (`models/triton_attention.py`, backend "triton", opt-in): a tile as wide as
+    the head (80 columns for Qwen3-VL's 72, not 128), for every varlen layout. On an H100 it
+    takes 13-24% less time than cuDNN's on padded packs of one image size and 20% less than
+    FlashAttention-2 on Qwen2.5-VL's windows, about even on mixed packs
+    (`benchmarks/results/triton_probe.json`); not the default until an end-to-end A/B on one host.
   Every segment, padding included, must be <= `max_seqlen` or the result is silently wrong;
   callers guarantee it (see `models/layout.py`).
 - CUDA, exact layouts (unpadded: eager, the runner's compiled exact route, or a recurring
@@ -119,7 +124,7 @@ def _groups_for(rows: int, segments: int) -> tuple[tuple[int, int], ...] | None:
 exact_hint_hits = 0
 """Attention calls that found their `ExactSegments` hint applicable (the grouped op, on CUDA and
 CPU alike). Lets CPU tests check the hint reaches the right layers."""
-BACKENDS = ("auto", "cudnn", "flash")
+BACKENDS = ("auto", "cudnn", "flash", "triton")
 DEFAULT_BACKEND = "auto"
 CUDNN_MIN_SEQLEN = 512
 """Layouts with a `max_seqlen` at least this take cuDNN's varlen kernel (backend "cudnn"); shorter
@@ -129,6 +134,19 @@ segments up cuDNN wins (8 x 784 padded 0.135 vs 0.163, the mixed pack 0.300 vs 0
 _use_cudnn: bool | None = None
 """Whether the cuDNN varlen kernel serves; None until `set_backend` or the first `register()`
 (an encoder's construction) resolves the default."""
+_use_triton = False
+"""Whether our Triton kernel (`models/triton_attention.py`) serves every varlen layout."""
+
+
+def triton_available(device: torch.device | None = None) -> bool:
+    """Whether the Triton kernel can serve: CUDA, Triton imports, and an Ampere or newer GPU."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def cudnn_frontend_available(device: torch.device | None = None) -> bool:
@@ -146,11 +164,19 @@ def cudnn_frontend_available(device: torch.device | None = None) -> bool:
 def set_backend(name: str) -> str:
     """CUDA varlen kernel: "flash" always FlashAttention-2; "cudnn" cuDNN's varlen kernel through
     `nvidia-cudnn-frontend` for layouts of `max_seqlen >= CUDNN_MIN_SEQLEN` (FlashAttention-2
-    below), an error if it cannot serve; "auto" (default) is "cudnn" where it can serve, else
-    "flash". Returns the backend in effect."""
-    global _use_cudnn
+    below), an error if it cannot serve; "triton" our Triton kernel for every varlen layout, an
+    error if it cannot serve; "auto" (default) is "cudnn" where it can serve, else "flash".
+    Exact layouts of equal segments run dense cuDNN SDPA under every backend. Returns the backend
+    in effect."""
+    global _use_cudnn, _use_triton
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is not one of {BACKENDS}")
+    if name == "triton":
+        if not triton_available():
+            raise ValueError("attention backend 'triton' needs a CUDA GPU (Ampere or newer) and triton")
+        _use_cudnn, _use_triton = False, True
+        return "triton"
+    _use_triton = False
     available = name != "flash" and cudnn_frontend_available()
     if name == "cudnn" and not available:
         raise ValueError(
@@ -198,10 +224,30 @@ def _(q, k, v, cu_seqlens, max_seqlen, scale):
     return torch.empty_like(q)
 
 
+@torch.library.custom_op("vlm_encoder::triton_varlen_attention", mutates_args=())
+def triton_varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
+) -> torch.Tensor:
+    """Our Triton kernel as one opaque op (compiled forwards call it as they call cuDNN's).
+    Rows outside every segment are left uninitialised (not zeroed: a memset per call); as for
+    cuDNN's, the runner's layouts put every row in a segment (`models/layout.py`)."""
+    from .triton_attention import aligned, varlen_attention
+
+    return varlen_attention(*(aligned(t) for t in (q, k, v)), cu_seqlens, max_seqlen, scale)
+
+
+@triton_varlen_attention.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, scale):
+    return torch.empty_like(q)
+
+
 def _varlen_cuda(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None) -> torch.Tensor:
     """The varlen kernel for this layout. `max_seqlen` is a plain int here (the caller's `int()`
     specialises it, as each graph's layout does anyway), so the choice adds no recompile; below
     the threshold the traced FlashAttention-2 call is exactly what it was without cuDNN."""
+    if _use_triton and q.shape[-1] % 8 == 0:  # 16-byte rows (every head dim served so far)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
     if not _takes_cudnn(max_seqlen):
         return _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -237,8 +283,8 @@ def exact_attention(
     kernel (CUDA) or per-segment SDPA (CPU). Opaque to torch.compile: the lengths are read
     here, at run time (at capture, in a CUDA graph), never traced."""
     groups = _groups_for(q.shape[0], cu_seqlens.shape[0] - 1)
-    if groups is not None and len(groups) > 1 and q.is_cuda and _takes_cudnn(max_seqlen):
-        groups = None  # several runs: one cuDNN varlen call beats a dense call per run
+    if groups is not None and len(groups) > 1 and q.is_cuda and (_use_triton or _takes_cudnn(max_seqlen)):
+        groups = None  # several runs: one varlen call (cuDNN's, Triton's) beats a dense call per run
     if groups is None:
         if not q.is_cuda:
             return _segmented_sdpa(q, k, v, cu_seqlens, scale)

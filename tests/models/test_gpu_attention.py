@@ -1,5 +1,5 @@
-"""GPU: cuDNN's varlen kernel (through nvidia-cudnn-frontend) on the runner's padded layouts, in a
-CUDA graph, against attention written out per segment in float32."""
+"""GPU: cuDNN's varlen kernel (through nvidia-cudnn-frontend) and our Triton kernel on the
+runner's padded layouts, in a CUDA graph, against attention written out per segment in float32."""
 
 from __future__ import annotations
 
@@ -10,10 +10,19 @@ from models import attention
 from models.layout import padded_cu_seqlens
 from tests.helpers import relative_error
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not attention.cudnn_frontend_available(), reason="needs nvidia-cudnn-frontend on Hopper+"),
-]
+pytestmark = pytest.mark.gpu
+needs_cudnn = pytest.mark.skipif(
+    not attention.cudnn_frontend_available(), reason="needs nvidia-cudnn-frontend on Hopper+"
+)
+
+
+def use_kernel(monkeypatch, kernel: str) -> None:
+    if kernel == "cudnn" and not attention.cudnn_frontend_available():
+        pytest.skip("needs nvidia-cudnn-frontend on Hopper+")
+    if kernel == "triton" and not attention.triton_available():
+        pytest.skip("needs triton on an Ampere or newer GPU")
+    monkeypatch.setattr(attention, "_use_cudnn", kernel == "cudnn")
+    monkeypatch.setattr(attention, "_use_triton", kernel == "triton")
 
 
 def per_segment(q, k, v, bounds, scale):
@@ -25,19 +34,21 @@ def per_segment(q, k, v, bounds, scale):
     return out
 
 
+@pytest.mark.parametrize("kernel", ["cudnn", "triton"])
 @pytest.mark.parametrize("head_dim", [72, 80])
-def test_cudnn_varlen_in_a_graph_matches_per_segment_attention_on_a_padded_layout(monkeypatch, head_dim):
+def test_varlen_in_a_graph_matches_per_segment_attention_on_a_padded_layout(monkeypatch, kernel, head_dim):
     """A mixed pack padded into a larger buffer: padding segments and zero-length trailing slots,
     as `models/layout.py` lays them out. The captured op, replayed on new values, must match the
-    written-out attention on every row (padding rows attend among themselves) and stay finite."""
-    monkeypatch.setattr(attention, "_use_cudnn", True)
+    written-out attention on every row (padding rows attend among themselves) and stay finite.
+    q, k and v are views of one projection, as in the towers (row stride 3 x heads x dim)."""
+    use_kernel(monkeypatch, kernel)
     lengths, rows, max_seqlen = [3136, 784, 784, 256, 256, 256], 8192, 4096
     cu = padded_cu_seqlens(lengths, rows, max_seqlen, 64).cuda()
     bounds = cu.tolist()
     assert bounds[-1] == bounds[-2] == rows  # trailing zero-length slots
-    q, k, v = (torch.randn(rows, 16, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = torch.randn(rows, 3, 16, head_dim, device="cuda", dtype=torch.bfloat16).unbind(1)
     scale = head_dim**-0.5
-    attention._varlen_cuda(q, k, v, cu, max_seqlen, scale)  # builds the cuDNN graph
+    attention._varlen_cuda(q, k, v, cu, max_seqlen, scale)  # builds the cuDNN graph / Triton kernel
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = attention._varlen_cuda(q, k, v, cu, max_seqlen, scale)
@@ -51,6 +62,7 @@ def test_cudnn_varlen_in_a_graph_matches_per_segment_attention_on_a_padded_layou
         assert relative_error(out, per_segment(q, k, v, bounds, scale)) < 2e-2
 
 
+@needs_cudnn
 def test_exact_layout_of_several_runs_takes_one_cudnn_call(monkeypatch):
     """On an exact layout, one run of equal segments stays a dense batch; several runs take the
     cuDNN varlen kernel (one call, faster than a dense call per run: cudnn_probe.json)."""

@@ -1,0 +1,187 @@
+"""Varlen attention in Triton with a tile as wide as the head, not a power of two (backend "triton").
+
+cuDNN and FlashAttention-2 run a head dim of 72 (Qwen3-VL) or 80 (Qwen2.5-VL) in a kernel
+built for 96 or 128 columns: the extra columns are zeros they multiply anyway. Here the head is
+split into a 64-column part and a 16-column part (80 = 64 + 16 exactly; 72 = 64 + 8, padded to
+16), so a 72-wide head computes 80 columns, not 128.
+
+On an H100 (`benchmarks/results/triton_probe.json`, each kernel in a CUDA graph) it beats
+cuDNN's varlen kernel and FlashAttention-2 on padded packs of one image size and on windows, at
+both head shapes (Qwen3-VL's padded 8 x 448x448: 0.112 ms against cuDNN's 0.135; Qwen2.5-VL's
+64-patch windows: 0.026 against FlashAttention-2's 0.033), and is about even on mixed packs
+(padded: 0.285 against 0.298 at Qwen3-VL's heads, 0.359 against 0.349 at Qwen2.5-VL's).
+Dense cuDNN stays faster on equal unpadded segments (one 1792x1792 image: 1.862 ms against
+2.098), so exact layouts of one segment size keep it (`models/attention.py`).
+
+Layout: `q`, `k`, `v` are `[rows, heads, dim]` (views whose row and head strides are multiples
+of 8, the last dim contiguous; `aligned` copies others), segments are `cu_seqlens` (int32, on
+the device, no host read), one program per (query block, head, segment); a program whose block
+starts past its segment's end returns at once, so a grid sized by `max_seqlen` costs little for
+short segments. Head offsets are hinted as multiples of 8 elements: Triton specialises only
+integer arguments divisible by 16, so a head stride of 72 alone left every load unvectorised
+(136 TFLOP/s at 16 x 72 against 353 at 16 x 80 before the hint). No host sync, so it captures in
+a CUDA graph. Non-causal, no dropout. CPU tests run it under Triton's interpreter
+(`TRITON_INTERPRET=1`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile of one program. The default is the H100 sweep's best for one 12544-row segment at
+    both head shapes and the 64-wide ceiling, and on the mixed pack (`triton_probe.json`; 128 x 32
+    tiles ran 13-18% slower on the long segment; 64 x 64 won only on exact 8 x 448x448 at
+    16 x 72, by 5%)."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT_CONFIG = TileConfig()
+
+
+def head_split(dim: int) -> tuple[int, int]:
+    """(columns of the wide part, columns of the narrow part) for a head of `dim`: a power of two
+    >= 16, then the rest padded to a power of two >= 16 (0 when nothing is left)."""
+    if dim < 16:
+        raise ValueError(f"head dim {dim} < 16 is not supported by the Triton kernel")
+    wide = 1 << (dim.bit_length() - 1)
+    rest = dim - wide
+    return wide, (0 if rest == 0 else max(16, triton.next_power_of_2(rest)))
+
+
+@triton.jit
+def _block(
+    acc_a, acc_b, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs_a, v_ptrs_b, cols, length,
+    col_b_ok, scale_log2, HAS_B: tl.constexpr,
+):  # fmt: skip
+    """One key block, masked (every block: see `_varlen_forward`)."""
+    keep = cols < length
+    ka = tl.load(k_ptrs_a, mask=keep[:, None], other=0.0)
+    s = tl.dot(qa, tl.trans(ka))
+    if HAS_B:
+        kb = tl.load(k_ptrs_b, mask=keep[:, None] & col_b_ok[None, :], other=0.0)
+        s = tl.dot(qb, tl.trans(kb), s)
+    s = tl.where(keep[None, :], s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    va = tl.load(v_ptrs_a, mask=keep[:, None], other=0.0)
+    p = p.to(va.dtype)
+    acc_a = tl.dot(p, va, acc_a * alpha[:, None])
+    if HAS_B:
+        vb = tl.load(v_ptrs_b, mask=keep[:, None] & col_b_ok[None, :], other=0.0)
+        acc_b = tl.dot(p, vb, acc_b * alpha[:, None])
+    return acc_a, acc_b, m_new, l_i
+
+
+@triton.jit
+def _varlen_forward(
+    Q, K, V, Out, CU, scale_log2,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh,
+    DIM: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr, HAS_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    seg = tl.program_id(2)
+    start = tl.load(CU + seg)
+    length = tl.load(CU + seg + 1) - start
+    if pid_m * BLOCK_M >= length:
+        return
+    start = start.to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < length
+    cols0 = tl.arange(0, BLOCK_N)
+    da = tl.arange(0, NA)
+    db = NA + tl.arange(0, NB)
+    col_b_ok = db < DIM
+
+    q_rows = Q + start * s_qt + tl.multiple_of(head * s_qh, 8) + rows[:, None] * s_qt
+    qa = tl.load(q_rows + da[None, :], mask=row_ok[:, None], other=0.0)
+    qb = tl.load(q_rows + db[None, :], mask=row_ok[:, None] & col_b_ok[None, :], other=0.0)
+    k_rows = K + start * s_kt + tl.multiple_of(head * s_kh, 8) + cols0[:, None] * s_kt
+    v_rows = V + start * s_vt + tl.multiple_of(head * s_vh, 8) + cols0[:, None] * s_vt
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc_a = tl.zeros([BLOCK_M, NA], tl.float32)
+    acc_b = tl.zeros([BLOCK_M, NB], tl.float32)
+    # One loop, every block masked. Full blocks unmasked and the tail after the loop was faster
+    # but wrong on Triton 3.6 (H100) for segments of one full block and a tail at BLOCK_N 64
+    # (123-124-row padding pieces: relative error 0.4-1.1; illegal address at num_stages 1),
+    # while right under the interpreter: `triton_probe.json` has both versions' timings.
+    for n0 in range(0, length, BLOCK_N):
+        acc_a, acc_b, m_i, l_i = _block(
+            acc_a, acc_b, m_i, l_i, qa, qb,
+            k_rows + n0 * s_kt + da[None, :], k_rows + n0 * s_kt + db[None, :],
+            v_rows + n0 * s_vt + da[None, :], v_rows + n0 * s_vt + db[None, :],
+            n0 + cols0, length, col_b_ok, scale_log2, HAS_B,
+        )  # fmt: skip
+
+    inv = 1.0 / l_i
+    o_rows = Out + start * s_ot + tl.multiple_of(head * s_oh, 8) + rows[:, None] * s_ot
+    tl.store(o_rows + da[None, :], (acc_a * inv[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if HAS_B:
+        tl.store(
+            o_rows + db[None, :],
+            (acc_b * inv[:, None]).to(Out.dtype.element_ty),
+            mask=row_ok[:, None] & col_b_ok[None, :],
+        )
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when the kernel can read it (contiguous last dim, row and head strides multiples
+    of 8 elements), else a contiguous copy."""
+    if t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0:
+        return t
+    return t.contiguous()
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    config: TileConfig = DEFAULT_CONFIG,
+) -> torch.Tensor:
+    """Attention within each segment of `cu_seqlens` over `[rows, heads, dim]` q/k/v; every
+    segment must be <= `max_seqlen` (it sizes the grid). Returns `[rows, heads, dim]`; rows past
+    `cu_seqlens[-1]` are left as they were in `out` (uninitialised when `out` is None)."""
+    rows, heads, dim = q.shape
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        raise ValueError("q, k, v need a contiguous last dim")
+    if any(t.stride(i) % 8 for t in (q, k, v) for i in (0, 1)):
+        raise ValueError("q, k, v row and head strides must be multiples of 8 (16-byte aligned rows)")
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+    wide, narrow = head_split(dim)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    scale = dim**-0.5 if scale is None else scale
+    segments = cu_seqlens.numel() - 1
+    grid = (triton.cdiv(max(max_seqlen, 1), config.block_m), heads, segments)
+    _varlen_forward[grid](
+        q, k, v, out, cu_seqlens, scale * LOG2_E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        DIM=dim, NA=wide, NB=max(narrow, 16), HAS_B=narrow > 0, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return out
