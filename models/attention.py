@@ -19,7 +19,8 @@ We register our own function under such a name:
     the head (80 columns for Qwen3-VL's 72, not 128), for every varlen layout. On an H100 it
     takes 13-24% less time than cuDNN's on padded packs of one image size and 20% less than
     FlashAttention-2 on Qwen2.5-VL's windows, about even on mixed packs
-    (`benchmarks/results/triton_probe.json`); not the default until an end-to-end A/B on one host.
+    (`benchmarks/results/triton_probe.json`). End to end on one host, 0.2-0.75 ms per large
+    Qwen2.5-VL-7B pack (~1-2%, `attention_ab_qwen2.5.json`): not the default yet.
   Every segment, padding included, must be <= `max_seqlen` or the result is silently wrong;
   callers guarantee it (see `models/layout.py`).
 - CUDA, exact layouts (unpadded: eager, the runner's compiled exact route, or a recurring
