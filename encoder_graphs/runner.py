@@ -370,11 +370,7 @@ class EncoderRunner:
         order = sorted(self.entries, reverse=True)
         for index, key in enumerate(order, 1):
             entry = self.entries[key]
-            self._fill(
-                entry,
-                torch.zeros(0, self.encoder.patch_dim, device=self.device),
-                self.encoder.pack_metadata([], entry.layout),
-            )
+            self._fill_empty(entry)
             self._forward_into_outputs(entry)
             progress(f"compiled forward {index}/{len(order)}: budget {key[0]} tokens, max_seqlen {key[1]}")
 
@@ -484,9 +480,13 @@ class EncoderRunner:
         # anyway, instead of scanning the outputs again (on the CPU when they go to the host).
         entry.outputs["finite"].copy_(finite)
 
-    def _capture_entry(self, entry: GraphEntry) -> None:
+    def _fill_empty(self, entry: GraphEntry) -> None:
+        """The entry's buffers as for a pack of no items (all padding): what capture runs on."""
         empty = torch.zeros(0, self.encoder.patch_dim, device=self.device)
         self._fill(entry, empty, self.encoder.pack_metadata([], entry.layout))
+
+    def _capture_entry(self, entry: GraphEntry) -> None:
+        self._fill_empty(entry)
         # Warm up outside capture (kernel selection, cuDNN plans, workspaces), then capture.
         side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -880,9 +880,10 @@ class EncoderRunner:
             return [(whole, *single)] if single else "capacity"
         best: str | list = "cost"
         route = "eager_ms"
-        cost = self._eager_estimate_ms(own[0], specs, tokens)
+        new = self._has_new_shape(_shapes(specs))
+        cost = self._eager_estimate_ms(own[0], tokens, new)
         if self._compiles_exact(specs):
-            exact = self._eager_estimate_ms(own[0], specs, tokens, "exact_ms")
+            exact = self._eager_estimate_ms(own[0], tokens, new, "exact_ms")
             if exact < cost:
                 route, cost = "exact_ms", exact
         # The budget's smallest graph bounds every single-graph plan from below: no host metadata
@@ -902,7 +903,7 @@ class EncoderRunner:
             if all(placed) and sum(_replay_cost(entry) for entry, _ in placed) < cost:
                 best = [(indices, *where) for (indices, _, _), where in zip(split, placed)]
         if not isinstance(best, str):
-            self._forget((route, budget), specs)
+            self._forget((route, budget), new)
         return best
 
     def _split_plan(self, specs: Sequence[ItemSpec], budget: int) -> list[tuple[list[int], int, int]] | None:
@@ -987,32 +988,33 @@ class EncoderRunner:
         def average(old: float | None, new: float) -> float:
             return new if old is None else (1 - LEARNED_WEIGHT) * old + LEARNED_WEIGHT * new
 
-        cold = not all(shape in self._shapes_run for shape in shapes)
+        cold = self._has_new_shape(shapes)
         self._mark_run(shapes)
         if not cold:
             self._route_scale[key] = average(self._route_scale.get(key), measured_ms / estimate_ms)
         elif key in self._route_scale:
             self._cold_ms = average(self._cold_ms, max(0.0, measured_ms - self._route_scale[key] * estimate_ms))
 
-    def _forget(self, key: tuple[str, int], specs: Sequence[ItemSpec]) -> None:
+    def _has_new_shape(self, shapes: list) -> bool:
+        """Whether one of these attention shapes was never run by a route without a graph."""
+        return not all(shape in self._shapes_run for shape in shapes)
+
+    def _forget(self, key: tuple[str, int], new: bool) -> None:
         """The route `key` lost this pack to a graph: forget a little of what it learned beyond its
-        startup estimate (`FORGET_HALF_LIFE`), the cold cost too when the pack had a new shape."""
+        startup estimate (`FORGET_HALF_LIFE`), the cold cost too when the pack had a `new` shape."""
         factor = 0.5 ** (1 / FORGET_HALF_LIFE)
         scale = self._route_scale.get(key)
         if scale is not None and scale > 1.0:
             self._route_scale[key] = 1.0 + (scale - 1.0) * factor
-        if self._cold_ms and not all(shape in self._shapes_run for shape in _shapes(specs)):
+        if self._cold_ms and new:
             self._cold_ms *= factor
 
-    def _eager_estimate_ms(
-        self, entry: GraphEntry, specs: Sequence[ItemSpec], tokens: int, measured: str = "eager_ms"
-    ) -> float:
+    def _eager_estimate_ms(self, entry: GraphEntry, tokens: int, new: bool, measured: str = "eager_ms") -> float:
         """Time of a pack of `tokens` without a graph (`measured`: "eager_ms" uncompiled, "exact_ms"
         compiled): interpolated between full packs measured at startup, scaled by what that route
         measured on this budget's packs so far, plus the learned cold cost if no route without a
         graph has run the pack's attention shape yet."""
         scale = self._route_scale.get((measured, entry.key[0]), 1.0)
-        new = not all(shape in self._shapes_run for shape in _shapes(specs))
         cold = (self._cold_ms or 0.0) if new else 0.0
         return scale * self._startup_estimate_ms(entry, tokens, measured) + cold
 

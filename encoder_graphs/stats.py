@@ -55,7 +55,8 @@ class RunnerStats:
     compiled_exact: int = 0
     """Eager runs that went through the compiled forward on the pack's exact layout."""
     recompile_fallbacks: int = 0
-    """Exact-layout packs that would have needed a new compile and ran uncompiled instead."""
+    """Packs that would have needed a new compile and ran uncompiled instead: exact-layout packs,
+    and (`compile` without `cuda_graphs`) a budget's padded layout, counted once per layout."""
     recurring_hits: int = 0
     """Packs run by a recurring pack's own graph (not counted in `graph_hits`)."""
     recurring_captured: int = 0

@@ -43,9 +43,14 @@ def test_default_attention_kernel_is_the_library_default():
 @pytest.mark.skipif(attention.cudnn_frontend_available(), reason="checks the refusal where cuDNN cannot serve")
 def test_cudnn_attention_without_its_frontend_or_gpu_is_refused_and_auto_falls_back(monkeypatch):
     monkeypatch.setattr(attention, "_use_cudnn", attention._use_cudnn)  # restored after the test
+    monkeypatch.setattr(attention, "_use_triton", attention._use_triton)
     with pytest.raises(ValueError, match=r"nvidia-cudnn-frontend.*'auto'"):
         attention.set_backend("cudnn")
     assert attention.set_backend("auto") == "flash"
     assert attention.set_backend("flash") == "flash"
+    if not attention.triton_available():  # CPU, or no triton: our kernel is refused as cuDNN's is
+        with pytest.raises(ValueError, match="'triton' needs a CUDA GPU"):
+            attention.set_backend("triton")
+        assert not attention._use_triton
     with pytest.raises(ValueError, match="not one of"):
         attention.set_backend("sdpa")

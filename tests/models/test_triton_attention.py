@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 CHECK = r"""
 import torch
-from models.triton_attention import TileConfig, head_split, varlen_attention
+from models.triton_attention import TileConfig, aligned, head_split, varlen_attention
 
 assert head_split(72) == (64, 16) and head_split(80) == (64, 16) and head_split(64) == (64, 0)
 torch.manual_seed(0)
@@ -38,6 +38,12 @@ for dim in (72, 80, 64):
             start += n
         assert (out[start:] == 7.0).all(), "rows past the last segment were written"
         worst[(dim, tile.block_m)] = error
+# A view the kernel cannot read (head stride 76, not a multiple of 8) goes through `aligned`'s copy.
+q, k, v = (torch.randn(rows, 2, 76)[..., :72] for _ in range(3))
+cu = torch.tensor([0, 50, rows], dtype=torch.int32)
+out = varlen_attention(*(aligned(t) for t in (q, k, v)), cu, rows - 50)
+ref = torch.nn.functional.scaled_dot_product_attention(*(t[50:].transpose(0, 1) for t in (q, k, v))).transpose(0, 1)
+worst["misaligned view"] = (out[50:] - ref).abs().max().item()
 print(worst)
 assert max(worst.values()) < 1e-5, worst
 """
@@ -48,3 +54,25 @@ def test_kernel_matches_per_segment_sdpa_under_the_interpreter():
     env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_inputs_the_kernel_cannot_take_are_refused_before_launch():
+    """Checked on the host, before any launch: each error names what is wrong."""
+    import torch
+
+    from models.triton_attention import aligned, head_split, varlen_attention
+
+    q = torch.randn(10, 2, 72)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="shapes differ"):
+        varlen_attention(q, q[:, :1], q, cu, 10)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        varlen_attention(q[..., ::2], q[..., ::2], q[..., ::2], cu, 10)
+    misaligned = torch.randn(10, 2, 76)[..., :72]
+    with pytest.raises(ValueError, match="multiples of 8"):
+        varlen_attention(misaligned, misaligned, misaligned, cu, 10)
+    assert aligned(misaligned).stride() == (144, 72, 1) and aligned(q) is q  # a copy only when needed
+    with pytest.raises(ValueError, match="int32"):
+        varlen_attention(q, q, q, cu.long(), 10)
+    with pytest.raises(ValueError, match="head dim 8 < 16"):
+        head_split(8)
