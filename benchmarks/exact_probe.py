@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.encoder_bench import CASES, build_case, measure_peak_tflops, useful_flops  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
-from benchmarks.fusion_probe import categorize  # noqa: E402
-from encoder_graphs.selfcheck import graph_replay_ms, interleaved_ms, relative_error  # noqa: E402
+from benchmarks.fusion_probe import kernel_profile  # noqa: E402
+from encoder_graphs.selfcheck import captured, graph_replay_ms, interleaved_ms, relative_error  # noqa: E402
 from models import from_preset  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -131,34 +131,18 @@ def main() -> None:
 
     if args.smoke:
         return
-    from torch.profiler import ProfilerActivity, profile
-
     _, pixels, specs = build_case(encoder, CASES["8 x 448x448"], rng)
     layout = encoder.exact_layout(specs)
     metadata = {k: v.to(CUDA) for k, v in encoder.pack_metadata(specs, layout).items()}
-    graph = torch.cuda.CUDAGraph()
     with torch.no_grad():
-        for _ in range(2):
-            compiled(pixels, metadata, layout, True)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            compiled(pixels, metadata, layout, True)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    for event in prof.key_averages():
-        if event.device_time_total > 0:
-            name = event.key.lower()
-            key = "attention" if ("sdpa" in name or "fmha" in name or "cudnn" in name) else categorize(event.key)
-            totals[key] = totals.get(key, 0.0) + event.device_time_total / 3 / 1e3
+        graph = captured(lambda: compiled(pixels, metadata, layout, True))
+    totals, table = kernel_profile(graph.replay)
     record = {
         **environment(),
         "peak_tflops": peak,
         "cases": rows,
-        "profile_ms_exact_8x448": dict(sorted(totals.items(), key=lambda kv: -kv[1])),
-        "profile_table": prof.key_averages().table(sort_by="cuda_time_total", row_limit=25),
+        "profile_ms_exact_8x448": totals,
+        "profile_table": table,
     }
     (out_dir / "exact_probe.json").write_text(json.dumps(record, indent=2, default=str))
     print(record["profile_table"])

@@ -121,7 +121,7 @@ def padding_probe() -> list[dict]:
 
 def categorize(name: str) -> str:
     lowered = name.lower()
-    if "flash" in lowered:
+    if "flash" in lowered or "fmha" in lowered or "sdpa" in lowered or "cudnn_generated" in lowered:
         return "attention"
     if "nvjet" in lowered or "gemm" in lowered or "cutlass" in lowered or "sm90_xmma" in lowered:
         return "matmul"
@@ -130,6 +130,23 @@ def categorize(name: str) -> str:
     if "memcpy" in lowered or "memset" in lowered:
         return "copies"
     return "other"
+
+
+def kernel_profile(replay, calls: int = 3) -> tuple[dict[str, float], str]:
+    """GPU ms per call of `replay` by kernel category, and torch.profiler's kernel table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            replay()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_time_total > 0:
+            key = categorize(event.key)
+            totals[key] = totals.get(key, 0.0) + event.device_time_total / calls / 1e3
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1])), table
 
 
 def graph_probe() -> dict:
@@ -157,21 +174,11 @@ def graph_probe() -> dict:
             )
             print(result["cases"][-1], flush=True)
         if name == "8 x 448x448":
-            from torch.profiler import ProfilerActivity, profile
-
             entry, metadata = runner._place(specs, 2048)
             runner._fill(entry, pixels, metadata)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    runner._execute(entry)
-                torch.cuda.synchronize()
-            totals: dict[str, float] = {}
-            for event in prof.key_averages():
-                if event.device_time_total > 0:
-                    key = categorize(event.key)
-                    totals[key] = totals.get(key, 0.0) + event.device_time_total / 3 / 1e3
-            result["profile_ms_per_replay_2048"] = dict(sorted(totals.items(), key=lambda kv: -kv[1]))
-            result["profile_table"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+            totals, table = kernel_profile(lambda entry=entry: runner._execute(entry))
+            result["profile_ms_per_replay_2048"] = totals
+            result["profile_table"] = table
             print(result["profile_ms_per_replay_2048"], flush=True)
     return result
 

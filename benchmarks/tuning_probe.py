@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.encoder_bench import CASES, build_case, measure_peak_tflops, useful_flops  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
-from encoder_graphs.selfcheck import graph_replay_ms, relative_error  # noqa: E402
+from benchmarks.fusion_probe import kernel_profile  # noqa: E402
+from encoder_graphs.selfcheck import back_to_back_ms, captured, relative_error  # noqa: E402
 from models import from_preset  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -89,6 +90,8 @@ def main() -> None:
     parser.add_argument("--preset", default="qwen3-vl-8b")
     parser.add_argument("--configs", nargs="+", default=["default", "coordinate_descent"], choices=CONFIGS)
     parser.add_argument("--cases", nargs="+", default=["8 x 448x448", "1 x 1792x1792"])
+    parser.add_argument("--profile", action="store_true", help="kernel-category profile of each graph")
+    parser.add_argument("--tag", default="", help="suffix of the result file name")
     args = parser.parse_args()
     peak = measure_peak_tflops(CUDA)
     encoder = from_preset(args.preset, dtype=torch.bfloat16, device=CUDA, seed=0)
@@ -109,7 +112,9 @@ def main() -> None:
                 compile_s = time.perf_counter() - start
                 error = relative_error(out.tokens, encoder.forward_eager(pixels, specs).tokens)
                 with torch.compiler.set_stance("fail_on_recompile"):
-                    ms = graph_replay_ms(lambda: forward(pixels, metadata, layout, dense), repeats=20)
+                    graph = captured(lambda: forward(pixels, metadata, layout, dense))
+                ms = back_to_back_ms(graph.replay, CUDA, repeats=20)
+                profile = kernel_profile(graph.replay) if args.profile else None
             flops = useful_flops(encoder, specs)
             row = {
                 "config": config,
@@ -119,22 +124,26 @@ def main() -> None:
                 "graph_ms": ms,
                 "mfu": flops / (ms * 1e-3) / (peak * 1e12),
             }
+            if profile is not None:
+                row["profile_ms"], row["profile_table"] = profile
+                print(profile[1])
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k != "profile_table"}), flush=True)
     record = {
         **environment(),
         "peak_tflops": peak,
         "rows": rows,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "tuning_probe.json").write_text(json.dumps(record, indent=2))
+    (out_dir / f"tuning_probe{args.tag}.json").write_text(json.dumps(record, indent=2))
     print(f"\npeak {peak:.0f} TFLOP/s, {record['device']}, torch {record['torch']}")
-    print("| config | case | compile s | err | graph ms | MFU |")
-    print("|---|---|---|---|---|---|")
+    print("| config | case | compile s | err | graph ms | MFU | kernel ms by category |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
+        kernels = ", ".join(f"{k} {v:.2f}" for k, v in r.get("profile_ms", {}).items())
         print(
             f"| {r['config']} | {r['case']} | {r['compile_s']} | {r['err_vs_eager']:.1e} "
-            f"| {r['graph_ms']:.2f} | {r['mfu']:.1%} |"
+            f"| {r['graph_ms']:.2f} | {r['mfu']:.1%} | {kernels} |"
         )
 
 

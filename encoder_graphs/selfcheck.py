@@ -79,9 +79,8 @@ def back_to_back_ms(fn: Callable[[], object], device: torch.device, repeats: int
     return (time.perf_counter() - start) * 1e3 / repeats
 
 
-def graph_replay_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 2) -> float:
-    """`fn` captured in one CUDA graph (after `warmup` calls on a side stream) and replayed back to
-    back: its cost as the runner pays it, launch overhead excluded (for kernel probes)."""
+def captured(fn: Callable[[], object], warmup: int = 2, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """`fn` called `calls` times in one CUDA graph, after `warmup` calls on a side stream."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -90,8 +89,15 @@ def graph_replay_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 2
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return back_to_back_ms(graph.replay, torch.device("cuda"), repeats)
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def graph_replay_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 2) -> float:
+    """`fn` captured in one CUDA graph and replayed back to back: its cost as the runner pays
+    it, launch overhead excluded (for kernel probes)."""
+    return back_to_back_ms(captured(fn, warmup).replay, torch.device("cuda"), repeats)
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 3, warmup: int = 1) -> float:
