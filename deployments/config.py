@@ -41,8 +41,9 @@ class ModelSettings(_Strict):
         attention.DEFAULT_BACKEND,
         description="CUDA varlen attention kernel: cudnn (cuDNN's, through nvidia-cudnn-frontend, the "
         "`cudnn` extra; Hopper or newer; FlashAttention-2 for short segments), flash (FlashAttention-2 "
-        "only), triton (ours, a head-wide tile: models/triton_attention.py) or auto (cudnn where it can "
-        "serve, else flash). Equal unpadded segments run dense cuDNN SDPA under each.",
+        "only), triton (ours, a head-wide tile: models/triton_attention.py) or auto (triton on Hopper or "
+        "newer, else cudnn where it can serve, else flash). Equal unpadded segments run dense cuDNN SDPA "
+        "under each (long ones at Qwen3-VL's head dim take triton under triton).",
     )
 
     @model_validator(mode="after")

@@ -15,12 +15,14 @@ We register our own function under such a name:
   - FlashAttention-2's (`aten._flash_attention_forward`): below that length (many short
     segments: Qwen2.5-VL's 64-patch windows, where cuDNN is 1.8x slower), and everywhere
     when the frontend is not installed or the GPU is older than Hopper;
-  - ours, in Triton (`models/triton_attention.py`, backend "triton", opt-in): a tile as wide as
-    the head (80 columns for Qwen3-VL's 72, not 128), for every varlen layout. On an H100 it
-    takes 13-24% less time than cuDNN's on padded packs of one image size and 20% less than
-    FlashAttention-2 on Qwen2.5-VL's windows, about even on mixed packs
-    (`benchmarks/results/triton_probe.json`). End to end on one host, 0.2-0.75 ms per large
-    Qwen2.5-VL-7B pack (~1-2%, `attention_ab_qwen2.5.json`): not the default yet.
+  - ours, in Triton (`models/triton_attention.py`, backend "triton", the default on Hopper or
+    newer): a tile as wide as the head (80 columns for Qwen3-VL's 72, not 128), for every varlen
+    layout, and for long exact segments at Qwen3-VL's head dim. On an H100 it takes 10-22% less
+    time than cuDNN's varlen kernel on the padded packs and 6-10% on mixed ones, 24% less than
+    FlashAttention-2 on Qwen2.5-VL's windows, and 5% less than dense cuDNN on one 1792x1792
+    image at 16 x 72 (`benchmarks/results/triton_probe.json`). End to end, same host
+    (`encoder_bench_qwen3_{triton,cudnn}_session11.md`): Qwen3-VL-8B's 1792x1792 78.2 against
+    80.1 ms, mixed pack 21.2 against 21.8.
   Every segment, padding included, must be <= `max_seqlen` or the result is silently wrong;
   callers guarantee it (see `models/layout.py`).
 - CUDA, exact layouts (unpadded: eager, the runner's compiled exact route, or a recurring
@@ -132,6 +134,13 @@ CUDNN_MIN_SEQLEN = 512
 ones FlashAttention-2's. `cudnn_probe.json` (H100, in CUDA graphs, cuDNN vs FlashAttention-2):
 32 x 256-patch images 0.074 vs 0.069 ms, 64-patch windows 0.064 vs 0.036; from 784-patch
 segments up cuDNN wins (8 x 784 padded 0.135 vs 0.163, the mixed pack 0.300 vs 0.466)."""
+TRITON_OVER_DENSE_SEQLEN = 4096
+"""Under backend "triton", exact layouts whose longest segment is above this, at a head dim that is
+not a multiple of 16, take the Triton kernel (which loads through TMA there) instead of dense
+cuDNN. H100 (`triton_probe.json`): one 12544-patch segment at Qwen3-VL's 16 x 72 in 1.809 ms
+against 1.901 (1.746 against 1.873 on another host); 8 x 784 at 16 x 72 stays dense cuDNN (0.103
+against 0.107), and so does Qwen2.5-VL's 16 x 80 (one 16384-patch segment: 3.063 against 3.241).
+Measured at 72 and 80 only."""
 _use_cudnn: bool | None = None
 """Whether the cuDNN varlen kernel serves; None until `set_backend` or the first `register()`
 (an encoder's construction) resolves the default."""
@@ -166,12 +175,15 @@ def set_backend(name: str) -> str:
     """CUDA varlen kernel: "flash" always FlashAttention-2; "cudnn" cuDNN's varlen kernel through
     `nvidia-cudnn-frontend` for layouts of `max_seqlen >= CUDNN_MIN_SEQLEN` (FlashAttention-2
     below), an error if it cannot serve; "triton" our Triton kernel for every varlen layout, an
-    error if it cannot serve; "auto" (default) is "cudnn" where it can serve, else "flash".
-    Exact layouts of equal segments run dense cuDNN SDPA under every backend. Returns the backend
-    in effect."""
+    error if it cannot serve; "auto" (default) is "triton" on a Hopper or newer GPU with Triton
+    (where it was measured), else "cudnn" where it can serve, else "flash". Exact layouts of equal
+    segments run dense cuDNN SDPA under every backend (but long ones at a head dim not a multiple
+    of 16 under "triton": `TRITON_OVER_DENSE_SEQLEN`). Returns the backend in effect."""
     global _use_cudnn, _use_triton
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is not one of {BACKENDS}")
+    if name == "auto" and triton_available() and torch.cuda.get_device_capability()[0] >= 9:
+        name = "triton"
     if name == "triton":
         if not triton_available():
             raise ValueError("attention backend 'triton' needs a CUDA GPU (Ampere or newer) and triton")
@@ -284,8 +296,13 @@ def exact_attention(
     kernel (CUDA) or per-segment SDPA (CPU). Opaque to torch.compile: the lengths are read
     here, at run time (at capture, in a CUDA graph), never traced."""
     groups = _groups_for(q.shape[0], cu_seqlens.shape[0] - 1)
-    if groups is not None and len(groups) > 1 and q.is_cuda and (_use_triton or _takes_cudnn(max_seqlen)):
-        groups = None  # several runs: one varlen call (cuDNN's, Triton's) beats a dense call per run
+    if groups is not None and q.is_cuda:
+        several = len(groups) > 1 and (_use_triton or _takes_cudnn(max_seqlen))
+        long_narrow = max_seqlen > TRITON_OVER_DENSE_SEQLEN and q.shape[-1] % 16 != 0
+        if several or (_use_triton and long_narrow):
+            # One varlen call (cuDNN's, Triton's) beats a dense call per run; and Triton's kernel
+            # beats dense cuDNN on long segments.
+            groups = None
     if groups is None:
         if not q.is_cuda:
             return _segmented_sdpa(q, k, v, cu_seqlens, scale)

@@ -6,12 +6,13 @@ split into a 64-column part and a 16-column part (80 = 64 + 16 exactly; 72 = 64 
 16), so a 72-wide head computes 80 columns, not 128.
 
 On an H100 (`benchmarks/results/triton_probe.json`, each kernel in a CUDA graph) it beats
-cuDNN's varlen kernel and FlashAttention-2 on padded packs of one image size and on windows, at
-both head shapes (Qwen3-VL's padded 8 x 448x448: 0.112 ms against cuDNN's 0.135; Qwen2.5-VL's
-64-patch windows: 0.026 against FlashAttention-2's 0.033), and is about even on mixed packs
-(padded: 0.285 against 0.298 at Qwen3-VL's heads, 0.359 against 0.349 at Qwen2.5-VL's).
-Dense cuDNN stays faster on equal unpadded segments (one 1792x1792 image: 1.862 ms against
-2.098), so exact layouts of one segment size keep it (`models/attention.py`).
+cuDNN's varlen kernel on every layout measured, at both head shapes (Qwen3-VL's padded 8 x 448x448:
+0.104 ms against 0.134; mixed packs 6-10%), FlashAttention-2 on Qwen2.5-VL's 64-patch windows
+(0.025 against 0.033), and at Qwen3-VL's 16 x 72 dense cuDNN on one 1792x1792 image (1.809 against
+1.901; long segments load keys and values through TMA descriptors, `TMA_MIN_SEQLEN`). Dense cuDNN
+stays faster on short equal unpadded segments (8 x 448x448: 0.103 against 0.107) and at 16 x 80,
+so those exact layouts keep it (`models/attention.py`). How the key loop got its shape (masks, TMA,
+lazy rescaling, bigger tiles, warp specialisation): `benchmarks/results/README.md`.
 
 Layout: `q`, `k`, `v` are `[rows, heads, dim]` (views whose row and head strides are multiples
 of 8, the last dim contiguous; `aligned` copies others), segments are `cu_seqlens` (int32, on
@@ -38,7 +39,7 @@ LOG2_E = 1.4426950408889634
 @dataclass(frozen=True)
 class TileConfig:
     """Tile of one program. The default is the H100 sweep's best for one 12544-row segment at
-    both head shapes and the 64-wide ceiling, and on the mixed pack (`triton_probe.json`; 128 x 32
+    both head shapes and the 64-wide ceiling, and on the mixed pack (`triton_probe_session10.json`; 128 x 32
     tiles ran 13-18% slower on the long segment; 64 x 64 won only on exact 8 x 448x448 at
     16 x 72, by 5%)."""
 
@@ -63,26 +64,42 @@ def head_split(dim: int) -> tuple[int, int]:
 
 @triton.jit
 def _block(
-    acc_a, acc_b, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs_a, v_ptrs_b, cols, length,
-    col_b_ok, scale_log2, HAS_B: tl.constexpr,
+    acc_a, acc_b, m_i, l_i, qa, qb, k_desc_a, k_desc_b, v_desc_a, v_desc_b, k_rows, v_rows, da, db, col_b_ok,
+    cols0, n0, length, s_kt, s_vt, scale_log2,
+    NA: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    """One key block, masked (every block: see `_varlen_forward`)."""
-    keep = cols < length
-    ka = tl.load(k_ptrs_a, mask=keep[:, None], other=0.0)
+    """One key block at `n0`. Loads are masked to the segment (or zero-filled past it by TMA); the
+    scores are masked only in a block that runs past the segment's end."""
+    keep = (n0 + cols0) < length
+    if TMA:
+        ka = k_desc_a.load([n0, 0])
+    else:
+        ka = tl.load(k_rows + n0 * s_kt + da[None, :], mask=keep[:, None], other=0.0)
     s = tl.dot(qa, tl.trans(ka))
     if HAS_B:
-        kb = tl.load(k_ptrs_b, mask=keep[:, None] & col_b_ok[None, :], other=0.0)
+        if TMA:
+            kb = k_desc_b.load([n0, NA])
+        else:
+            kb = tl.load(k_rows + n0 * s_kt + db[None, :], mask=keep[:, None] & col_b_ok[None, :], other=0.0)
         s = tl.dot(qb, tl.trans(kb), s)
-    s = tl.where(keep[None, :], s * scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.math.exp2(s - m_new[:, None])
+    if n0 + BLOCK_N > length:
+        s = tl.where(keep[None, :], s, float("-inf"))
+    # The scale folded into one FMA per score: the maximum is taken on the raw scores (scale > 0).
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+    p = tl.math.exp2(s * scale_log2 - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    va = tl.load(v_ptrs_a, mask=keep[:, None], other=0.0)
+    if TMA:
+        va = v_desc_a.load([n0, 0])
+    else:
+        va = tl.load(v_rows + n0 * s_vt + da[None, :], mask=keep[:, None], other=0.0)
     p = p.to(va.dtype)
     acc_a = tl.dot(p, va, acc_a * alpha[:, None])
     if HAS_B:
-        vb = tl.load(v_ptrs_b, mask=keep[:, None] & col_b_ok[None, :], other=0.0)
+        if TMA:
+            vb = v_desc_b.load([n0, NA])
+        else:
+            vb = tl.load(v_rows + n0 * s_vt + db[None, :], mask=keep[:, None] & col_b_ok[None, :], other=0.0)
         acc_b = tl.dot(p, vb, acc_b * alpha[:, None])
     return acc_a, acc_b, m_new, l_i
 
@@ -92,7 +109,7 @@ def _varlen_forward(
     Q, K, V, Out, CU, scale_log2,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh,
     DIM: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr, HAS_B: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -112,23 +129,32 @@ def _varlen_forward(
     q_rows = Q + start * s_qt + tl.multiple_of(head * s_qh, 8) + rows[:, None] * s_qt
     qa = tl.load(q_rows + da[None, :], mask=row_ok[:, None], other=0.0)
     qb = tl.load(q_rows + db[None, :], mask=row_ok[:, None] & col_b_ok[None, :], other=0.0)
-    k_rows = K + start * s_kt + tl.multiple_of(head * s_kh, 8) + cols0[:, None] * s_kt
-    v_rows = V + start * s_vt + tl.multiple_of(head * s_vh, 8) + cols0[:, None] * s_vt
+    k_base = K + start * s_kt + tl.multiple_of(head * s_kh, 8)
+    v_base = V + start * s_vt + tl.multiple_of(head * s_vh, 8)
+    if TMA:  # the segment's rows of this head as [length, DIM]: TMA zero-fills past both ends
+        k_desc_a = tl.make_tensor_descriptor(k_base, [length, DIM], [s_kt, 1], [BLOCK_N, NA])
+        k_desc_b = tl.make_tensor_descriptor(k_base, [length, DIM], [s_kt, 1], [BLOCK_N, NB])
+        v_desc_a = tl.make_tensor_descriptor(v_base, [length, DIM], [s_vt, 1], [BLOCK_N, NA])
+        v_desc_b = tl.make_tensor_descriptor(v_base, [length, DIM], [s_vt, 1], [BLOCK_N, NB])
+    else:
+        k_desc_a = 0
+        k_desc_b = 0
+        v_desc_a = 0
+        v_desc_b = 0
+    k_rows = k_base + cols0[:, None] * s_kt
+    v_rows = v_base + cols0[:, None] * s_vt
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc_a = tl.zeros([BLOCK_M, NA], tl.float32)
     acc_b = tl.zeros([BLOCK_M, NB], tl.float32)
-    # One loop, every block masked. Full blocks unmasked and the tail after the loop was faster
-    # but wrong on Triton 3.6 (H100) for segments of one full block and a tail at BLOCK_N 64
-    # (123-124-row padding pieces: relative error 0.4-1.1; illegal address at num_stages 1),
-    # while right under the interpreter: `triton_probe.json` has both versions' timings.
+    # One loop; only the block past the segment's end masks its scores (a uniform branch): the
+    # mask on every block cost ~7% on one 12544-row segment (H100). A masked tail peeled off after
+    # the loop was as fast but faulted on Triton 3.6 (illegal address, twice, in two versions).
     for n0 in range(0, length, BLOCK_N):
         acc_a, acc_b, m_i, l_i = _block(
-            acc_a, acc_b, m_i, l_i, qa, qb,
-            k_rows + n0 * s_kt + da[None, :], k_rows + n0 * s_kt + db[None, :],
-            v_rows + n0 * s_vt + da[None, :], v_rows + n0 * s_vt + db[None, :],
-            n0 + cols0, length, col_b_ok, scale_log2, HAS_B,
+            acc_a, acc_b, m_i, l_i, qa, qb, k_desc_a, k_desc_b, v_desc_a, v_desc_b, k_rows, v_rows, da, db,
+            col_b_ok, cols0, n0, length, s_kt, s_vt, scale_log2, NA, HAS_B, BLOCK_N, TMA,
         )  # fmt: skip
 
     inv = 1.0 / l_i
@@ -140,6 +166,23 @@ def _varlen_forward(
             (acc_b * inv[:, None]).to(Out.dtype.element_ty),
             mask=row_ok[:, None] & col_b_ok[None, :],
         )
+
+
+TMA_MIN_SEQLEN = 4096
+"""Above this `max_seqlen`, keys and values load through TMA descriptors. H100, 16 x 72, each
+kernel in a CUDA graph: one 12544-row segment 1.746 ms against 1.959 with pointer loads (dense
+cuDNN: 1.873); but 8 x 784 rows 0.116 against 0.105, and even on a padded pack of 3136-row and
+shorter segments, where the per-program descriptor setup is not paid back."""
+
+
+def tma_capable(*tensors: torch.Tensor) -> bool:
+    """Device-side TMA descriptors: a Hopper or newer GPU and 16-byte aligned base addresses."""
+    t = tensors[0]
+    return (
+        t.is_cuda
+        and torch.cuda.get_device_capability(t.device)[0] >= 9
+        and all(x.data_ptr() % 16 == 0 for x in tensors)
+    )
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
@@ -159,10 +202,14 @@ def varlen_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     config: TileConfig = DEFAULT_CONFIG,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """Attention within each segment of `cu_seqlens` over `[rows, heads, dim]` q/k/v; every
     segment must be <= `max_seqlen` (it sizes the grid). Returns `[rows, heads, dim]`; rows past
-    `cu_seqlens[-1]` are left as they were in `out` (uninitialised when `out` is None)."""
+    `cu_seqlens[-1]` are left as they were in `out` (uninitialised when `out` is None).
+
+    `tma`: keys and values through TMA descriptors (None: when `max_seqlen` > `TMA_MIN_SEQLEN`,
+    on a Hopper or newer GPU, with 16-byte aligned k and v)."""
     rows, heads, dim = q.shape
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -173,15 +220,22 @@ def varlen_attention(
     if cu_seqlens.dtype != torch.int32:
         raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
     wide, narrow = head_split(dim)
+    scale = dim**-0.5 if scale is None else scale
+    if not scale > 0:
+        raise ValueError(f"scale must be positive (the kernel takes the row maximum before scaling), got {scale}")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    scale = dim**-0.5 if scale is None else scale
+    if tma is None:
+        tma = max_seqlen > TMA_MIN_SEQLEN and tma_capable(k, v)
+    if tma:  # per-program descriptors live in a scratch buffer the launch asks for (a ContextVar)
+        device = q.device
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
     segments = cu_seqlens.numel() - 1
     grid = (triton.cdiv(max(max_seqlen, 1), config.block_m), heads, segments)
     _varlen_forward[grid](
         q, k, v, out, cu_seqlens, scale * LOG2_E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         DIM=dim, NA=wide, NB=max(narrow, 16), HAS_B=narrow > 0, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        TMA=bool(tma), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

@@ -36,13 +36,20 @@ def per_segment(q, k, v, bounds, scale):
 
 @pytest.mark.parametrize("kernel", ["cudnn", "triton"])
 @pytest.mark.parametrize("head_dim", [72, 80])
-def test_varlen_in_a_graph_matches_per_segment_attention_on_a_padded_layout(monkeypatch, kernel, head_dim):
+@pytest.mark.parametrize(
+    "lengths, max_seqlen",
+    [([3136, 784, 784, 256, 256, 256], 4096), ([5000, 2048, 784], 8192)],  # the second: Triton loads by TMA
+    ids=["mixed", "long"],
+)
+def test_varlen_in_a_graph_matches_per_segment_attention_on_a_padded_layout(
+    monkeypatch, kernel, head_dim, lengths, max_seqlen
+):
     """A mixed pack padded into a larger buffer: padding segments and zero-length trailing slots,
     as `models/layout.py` lays them out. The captured op, replayed on new values, must match the
     written-out attention on every row (padding rows attend among themselves) and stay finite.
     q, k and v are views of one projection, as in the towers (row stride 3 x heads x dim)."""
     use_kernel(monkeypatch, kernel)
-    lengths, rows, max_seqlen = [3136, 784, 784, 256, 256, 256], 8192, 4096
+    rows = 8192
     cu = padded_cu_seqlens(lengths, rows, max_seqlen, 64).cuda()
     bounds = cu.tolist()
     assert bounds[-1] == bounds[-2] == rows  # trailing zero-length slots
@@ -67,6 +74,7 @@ def test_exact_layout_of_several_runs_takes_one_cudnn_call(monkeypatch):
     """On an exact layout, one run of equal segments stays a dense batch; several runs take the
     cuDNN varlen kernel (one call, faster than a dense call per run: cudnn_probe.json)."""
     monkeypatch.setattr(attention, "_use_cudnn", True)
+    monkeypatch.setattr(attention, "_use_triton", False)
     calls = []
     real = attention._cudnn_varlen
     monkeypatch.setattr(attention, "_cudnn_varlen", lambda *a: calls.append(a[4]) or real(*a))
@@ -79,3 +87,23 @@ def test_exact_layout_of_several_runs_takes_one_cudnn_call(monkeypatch):
             out = attention.exact_attention(q, k, v, cu, max(lengths), 72**-0.5)
         assert calls == expected_calls
         assert relative_error(out, per_segment(q, k, v, cu.tolist(), 72**-0.5)) < 2e-2
+
+
+def test_exact_long_segments_take_the_triton_kernel_under_backend_triton(monkeypatch):
+    """Under backend "triton", an exact layout whose segments are longer than
+    `TRITON_OVER_DENSE_SEQLEN` runs the Triton kernel (TMA loads) at head dim 72, dense cuDNN at
+    80 and for shorter equal segments; all match attention written out per segment."""
+    use_kernel(monkeypatch, "triton")
+    calls = []
+    real = attention.triton_varlen_attention
+    monkeypatch.setattr(attention, "triton_varlen_attention", lambda *a: calls.append(a[4]) or real(*a))
+    cases = [([784] * 4, 72, []), ([5000], 72, [5000]), ([4608, 4608], 72, [4608]), ([5000], 80, [])]
+    for lengths, dim, expected_calls in cases:
+        calls.clear()
+        rows = sum(lengths)
+        cu = padded_cu_seqlens(lengths, rows, max(lengths), len(lengths)).cuda()
+        q, k, v = torch.randn(rows, 3, 16, dim, device="cuda", dtype=torch.bfloat16).unbind(1)
+        with attention.exact_segments(lengths):
+            out = attention.exact_attention(q, k, v, cu, max(lengths), dim**-0.5)
+        assert calls == expected_calls, (lengths, dim)
+        assert relative_error(out, per_segment(q, k, v, cu.tolist(), dim**-0.5)) < 2e-2

@@ -291,6 +291,7 @@ def test_varlen_kernel_is_chosen_by_max_seqlen_at_run_time(monkeypatch):
     q = torch.randn(16, 2, 8)
     cu = torch.tensor([0, 16], dtype=torch.int32)
     threshold = attention.CUDNN_MIN_SEQLEN
+    monkeypatch.setattr(attention, "_use_triton", False)
     monkeypatch.setattr(attention, "_use_cudnn", True)
     for max_seqlen in (threshold // 2, threshold, threshold * 8):
         attention._varlen_cuda(q, q, q, cu, max_seqlen, 0.5)

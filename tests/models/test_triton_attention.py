@@ -13,31 +13,34 @@ import pytest
 pytest.importorskip("triton")
 
 CHECK = r"""
+import itertools
+
 import torch
 from models.triton_attention import TileConfig, aligned, head_split, varlen_attention
 
 assert head_split(72) == (64, 16) and head_split(80) == (64, 16) and head_split(64) == (64, 0)
 torch.manual_seed(0)
 worst = {}
-# Segments shorter than, equal to and longer than a block, an empty one, rows past the last
-# segment (left alone), and q/k/v as views of one projection (row stride 3 x heads x dim).
-lengths = [37, 16, 0, 100, 5, 64]
+# Segments shorter than, equal to and longer than a block, whole blocks with and without a
+# partial last one (both tiles), an empty one, rows past the last segment (left alone), and q/k/v
+# as views of one projection (row stride 3 x heads x dim).
+lengths = [37, 16, 0, 100, 5, 64, 128, 129]
 rows = sum(lengths) + 7
-for dim in (72, 80, 64):
-    for tile in (TileConfig(32, 16, 4, 2), TileConfig()):
-        q, k, v = torch.randn(rows, 3, 2, dim).unbind(1)
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        out = torch.full_like(q, 7.0)
-        varlen_attention(q, k, v, cu, max(lengths), dim**-0.5, out, tile)
-        start, error = 0, 0.0
-        for n in lengths:
-            if n:
-                seg = [t[start : start + n].transpose(0, 1) for t in (q, k, v)]
-                ref = torch.nn.functional.scaled_dot_product_attention(*seg).transpose(0, 1)
-                error = max(error, (out[start : start + n] - ref).abs().max().item())
-            start += n
-        assert (out[start:] == 7.0).all(), "rows past the last segment were written"
-        worst[(dim, tile.block_m)] = error
+# Both load paths: pointers, and TMA descriptors (which zero-fill past a segment's last row).
+for dim, tile, tma in itertools.product((72, 80, 64), (TileConfig(32, 16, 4, 2), TileConfig()), (False, True)):
+    q, k, v = torch.randn(rows, 3, 2, dim).unbind(1)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    out = torch.full_like(q, 7.0)
+    varlen_attention(q, k, v, cu, max(lengths), dim**-0.5, out, tile, tma=tma)
+    start, error = 0, 0.0
+    for n in lengths:
+        if n:
+            seg = [t[start : start + n].transpose(0, 1) for t in (q, k, v)]
+            ref = torch.nn.functional.scaled_dot_product_attention(*seg).transpose(0, 1)
+            error = max(error, (out[start : start + n] - ref).abs().max().item())
+        start += n
+    assert (out[start:] == 7.0).all(), "rows past the last segment were written"
+    worst[(dim, tile.block_m, tma)] = error
 # A view the kernel cannot read (head stride 76, not a multiple of 8) goes through `aligned`'s copy.
 q, k, v = (torch.randn(rows, 2, 76)[..., :72] for _ in range(3))
 cu = torch.tensor([0, 50, rows], dtype=torch.int32)
@@ -76,3 +79,5 @@ def test_inputs_the_kernel_cannot_take_are_refused_before_launch():
         varlen_attention(q, q, q, cu.long(), 10)
     with pytest.raises(ValueError, match="head dim 8 < 16"):
         head_split(8)
+    with pytest.raises(ValueError, match="scale must be positive"):
+        varlen_attention(q, q, q, cu, 10, scale=-1.0)
