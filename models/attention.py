@@ -27,7 +27,9 @@ We register our own function under such a name:
   callers guarantee it (see `models/layout.py`).
 - CUDA, exact layouts (unpadded: eager, the runner's compiled exact route, or a recurring
   pack's own graph; from the `exact_segments` hint): consecutive segments of equal length are
-  dense `[count, heads, length, dim]` batches, each run by SDPA with cuDNN first. On an H100
+  dense `[count, heads, length, dim]` batches, each run by SDPA with cuDNN first (under
+  backend "triton", segments longer than `TRITON_OVER_DENSE_SEQLEN` at a head dim not a
+  multiple of 16 take the Triton kernel instead). On an H100
   (torch 2.11, cuDNN 9.19, Qwen3-VL's 16 x 72 heads) cuDNN runs one 12544-patch image at 388
   TFLOP/s where the FlashAttention-2 varlen kernel runs 238 (`benchmarks/results/qwen3_probe.json`)
   and cuDNN's varlen kernel 357 (`cudnn_probe.json`). Where the cuDNN varlen kernel is in use,
