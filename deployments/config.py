@@ -84,7 +84,7 @@ class GraphSettings(_Strict):
     compile_exact: bool = Field(
         True,
         description="With compile: packs run without a graph use the compiled forward on their exact layout "
-        "(no padding); two more compiles at startup.",
+        "(no padding; equal-size items, or any under attention 'triton'); two more compiles at startup.",
     )
     recurring_graphs: int = Field(
         16, ge=0, description="Most graphs of recurring packs' exact layouts kept (LRU); 0: off."

@@ -137,9 +137,10 @@ class GraphConfig:
     packs); the route is checked against eager at startup like the graphs (turned off if
     wrong) and offered only from the smallest size at which its compile was seen to hold. A
     pack that would still need a compile runs uncompiled and is counted
-    (`recompile_fallbacks`). Packs of unequal segments keep the padded graphs or uncompiled
-    eager: on this route each run of equal segments is one more attention call's host time,
-    which outside a graph cost more than it saved on some hosts (see `_compiles_exact`)."""
+    (`recompile_fallbacks`). Packs of unequal segments take it under attention backend
+    "triton" (one launch per layer over all segments); under the others they keep the padded
+    graphs or uncompiled eager: each run of equal segments would be one more dense call's host
+    time, which outside a graph cost more than it saved on some hosts (see `_compiles_exact`)."""
     recurring_graphs: int = 16
     """Most graphs of recurring packs' exact layouts kept (least recently used evicted); 0: off.
     Each costs its own input buffers (its pixels and metadata: ~18 MiB for 8 x 448x448 of
@@ -420,16 +421,19 @@ class EncoderRunner:
         progress(f"compiled the exact-layout forward in {time.perf_counter() - start:.1f} s")
 
     def _compiles_exact(self, specs: Sequence[ItemSpec]) -> bool:
-        """Whether the compiled exact route takes this pack: equal segments only (one dense
-        attention call per layer), no smaller than the smallest pack its compile was seen to
-        hold for. Outside a CUDA graph this route is bound by host time (~130-320 us per
-        attention call on the H100 hosts, `launch_probe.json`): a mixed pack's several dense
-        calls per layer made it 26-40 ms against its padded graph's ~28 ms from host to host,
-        which its cost measured on equal packs does not price. Mixed packs get grouped
-        attention in their own recurring graph, where host time is not paid."""
+        """Whether the compiled exact route takes this pack: no smaller than the smallest pack its
+        compile was seen to hold for, and one attention launch per layer: equal segments (one
+        dense batch), or any segments under backend "triton" (its kernel over all of them,
+        `attention.exact_in_one_call`). Outside a CUDA graph this route pays host time for every
+        launch: a mixed pack's several dense calls per layer (cuDNN, FlashAttention-2) made it
+        26-40 ms against its padded graph's ~28 ms from host to host (~130-320 us per dense call,
+        `launch_probe.json`), which its cost measured on equal packs does not price; there mixed
+        packs get grouped attention in their own recurring graph, where host time is not paid.
+        With one Triton launch per layer the mixed pack ran 22.2-22.9 ms against 21.0 for its
+        own graph and 24.4 for its first sighting's padded graphs."""
         return (
             self._exact_compiled
-            and len({s.frame_patches for s in specs}) == 1
+            and (len({s.frame_patches for s in specs}) == 1 or attention.exact_in_one_call())
             and sum(s.input_patches for s in specs) >= self._exact_min_rows
         )
 
@@ -487,15 +491,17 @@ class EncoderRunner:
 
     def _capture_entry(self, entry: GraphEntry) -> None:
         self._fill_empty(entry)
-        # Warm up outside capture (kernel selection, cuDNN plans, workspaces), then capture.
+        # Warm up outside capture (kernel selection, cuDNN plans, workspaces), then capture; both
+        # pick attention kernels as for a graph.
         side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._forward_into_outputs(entry)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._forward_into_outputs(entry)
+        with attention.for_graph():
+            with torch.cuda.stream(side):
+                self._forward_into_outputs(entry)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._forward_into_outputs(entry)
         entry.graph = graph
 
     def self_check(self, progress: Callable[[str], None] = logger.info) -> None:
@@ -782,14 +788,17 @@ class EncoderRunner:
         self._fill(entry, pixel_values, self.encoder.pack_metadata(specs, layout))
         pool_before = pool_reserved_bytes(self._pool, self.device) if capture else 0
         try:
-            expected = self._warm_recurring(entry)
-            self._mark_run(_shapes(specs))  # its attention is built now
-            if capture:
-                graph = torch.cuda.CUDAGraph()
-                with self._recurring_stance(entry):
-                    with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                        self._forward_into_outputs(entry)
-                entry.graph = graph
+            # The warm-up picks the attention kernels its capture will (`attention.for_graph`), so
+            # it builds them (cuDNN's dense plans) outside capture.
+            with attention.for_graph():
+                expected = self._warm_recurring(entry)
+                self._mark_run(_shapes(specs))  # its attention is built now
+                if capture:
+                    graph = torch.cuda.CUDAGraph()
+                    with self._recurring_stance(entry):
+                        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                            self._forward_into_outputs(entry)
+                    entry.graph = graph
             self._execute(entry)
             error = max(relative_error(entry.outputs[name], want) for name, want in expected.items())
         except Exception as exc:  # an optimisation: the pack still runs by its plan

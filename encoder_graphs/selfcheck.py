@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 
+from models import attention
 from models.protocol import ItemSpec
 
 
@@ -83,14 +84,15 @@ def captured(fn: Callable[[], object], warmup: int = 2, calls: int = 1) -> torch
     """`fn` called `calls` times in one CUDA graph, after `warmup` calls on a side stream."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    with attention.for_graph():  # the warm-up picks the kernels the capture will
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
     return graph
 
 

@@ -29,7 +29,8 @@ We register our own function under such a name:
   pack's own graph; from the `exact_segments` hint): consecutive segments of equal length are
   dense `[count, heads, length, dim]` batches, each run by SDPA with cuDNN first (under
   backend "triton", segments longer than `TRITON_OVER_DENSE_SEQLEN` at a head dim not a
-  multiple of 16 take the Triton kernel instead). On an H100
+  multiple of 16 take the Triton kernel instead, and outside a CUDA graph shorter ones do too:
+  `TRITON_OUTSIDE_GRAPHS`). On an H100
   (torch 2.11, cuDNN 9.19, Qwen3-VL's 16 x 72 heads) cuDNN runs one 12544-patch image at 388
   TFLOP/s where the FlashAttention-2 varlen kernel runs 238 (`benchmarks/results/qwen3_probe.json`)
   and cuDNN's varlen kernel 357 (`cudnn_probe.json`). Where the cuDNN varlen kernel is in use,
@@ -179,8 +180,9 @@ def set_backend(name: str) -> str:
     below), an error if it cannot serve; "triton" our Triton kernel for every varlen layout, an
     error if it cannot serve; "auto" (default) is "triton" on a Hopper or newer GPU with Triton
     (where it was measured), else "cudnn" where it can serve, else "flash". Exact layouts of equal
-    segments run dense cuDNN SDPA under every backend (but long ones at a head dim not a multiple
-    of 16 under "triton": `TRITON_OVER_DENSE_SEQLEN`). Returns the backend in effect."""
+    segments run dense cuDNN SDPA under every backend (under "triton": in CUDA graphs only, and not
+    long ones at a head dim not a multiple of 16, `TRITON_OVER_DENSE_SEQLEN`,
+    `TRITON_OUTSIDE_GRAPHS`). Returns the backend in effect."""
     global _use_cudnn, _use_triton
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is not one of {BACKENDS}")
@@ -269,6 +271,38 @@ def _varlen_cuda(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None) -> t
     return cudnn_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
 
 
+TRITON_OUTSIDE_GRAPHS = True
+"""Under backend "triton", exact layouts of short segments (<= `TRITON_OVER_DENSE_SEQLEN`) run
+outside a CUDA graph (the runner's compiled exact route, eager) take the Triton kernel, not dense
+cuDNN: there the host pays every launch, and the kernel's op costs it less than SDPA's cuDNN call
+(74-85 against 92-96 us at 8 x 784, `launch_probe.json`), with no cuDNN graph to build for a new
+shape (~60 ms each, `cold_probe.json`). In a graph (`for_graph`, or while capturing) dense cuDNN
+keeps them: there only GPU time counts."""
+_in_graph: ContextVar[bool] = ContextVar("attention_for_graph", default=False)
+
+
+@contextlib.contextmanager
+def for_graph() -> Iterator[None]:
+    """Attention inside picks its kernels as for a CUDA graph (by GPU time alone): wrap a graph's
+    warm-up run with its capture, so the warm-up builds what the capture will launch."""
+    token = _in_graph.set(True)
+    try:
+        yield
+    finally:
+        _in_graph.reset(token)
+
+
+def _launch_bound() -> bool:
+    """Whether the host pays this call's launch every time it runs (not in a graph)."""
+    return TRITON_OUTSIDE_GRAPHS and not _in_graph.get() and not torch.cuda.is_current_stream_capturing()
+
+
+def exact_in_one_call() -> bool:
+    """Whether an exact layout of unequal segments takes one attention launch per layer (the
+    Triton kernel over all its segments), not one dense call per run of equal segments."""
+    return _use_triton
+
+
 def _dense(q, k, v, length: int, scale: float) -> torch.Tensor:
     """`[count * length, heads, dim]` rows as one dense `[count, heads, length, dim]` batch
     (strided views, no copy in). CUDA: cuDNN first, which allocates its output in q's layout, so
@@ -300,10 +334,12 @@ def exact_attention(
     groups = _groups_for(q.shape[0], cu_seqlens.shape[0] - 1)
     if groups is not None and q.is_cuda:
         several = len(groups) > 1 and (_use_triton or _takes_cudnn(max_seqlen))
-        long_narrow = max_seqlen > TRITON_OVER_DENSE_SEQLEN and q.shape[-1] % 16 != 0
-        if several or (_use_triton and long_narrow):
-            # One varlen call (cuDNN's, Triton's) beats a dense call per run; and Triton's kernel
-            # beats dense cuDNN on long segments.
+        long = max_seqlen > TRITON_OVER_DENSE_SEQLEN
+        narrow = q.shape[-1] % 16 != 0
+        if several or (_use_triton and (long and narrow or not long and _launch_bound())):
+            # One varlen call (cuDNN's, Triton's) beats a dense call per run; Triton's kernel
+            # beats dense cuDNN on long segments at a narrow head; and outside a CUDA graph its
+            # launch costs the host a fraction of SDPA's.
             groups = None
     if groups is None:
         if not q.is_cuda:

@@ -153,9 +153,9 @@ def test_compiled_exact_route_serves_unseen_shapes_without_compiling(encoder, re
     """`compile`: packs of equal segments without a graph run compiled on their exact layout.
     After startup, no shape needs a compile: one image (one dense attention batch) and equal
     images (one batch of several), of sizes never seen, larger than every budget. Unequal
-    images run uncompiled there (host-bound: see `_compiles_exact`), but their own recurring
-    graph holds the compiled forward (a dense batch per run of equal images), still without a
-    compile."""
+    images run compiled there too under attention backend "triton" (one launch per layer), else
+    uncompiled (host-bound: see `_compiles_exact`); their own recurring graph holds the compiled
+    forward either way, still without a compile."""
     from torch._dynamo.utils import counters
 
     runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=256, compile=True))
@@ -170,10 +170,10 @@ def test_compiled_exact_route_serves_unseen_shapes_without_compiling(encoder, re
         pixels = pre.pixel_values(resized, "image", device="cuda").to(encoder.dtype)
         with torch.inference_mode():  # as the benchmark calls it; startup compiled without it
             outputs = runner.run(pixels, specs)
-        assert runner.stats.last.compiled == (len(set(sizes)) == 1), sizes
+        assert runner.stats.last.compiled == (len(set(sizes)) == 1 or attention._use_triton), sizes
         for ours, theirs in item_errors(references, pixels, specs, outputs):
             assert ours <= 1.5 * theirs + 1e-3, (sizes, ours, theirs)
-    assert runner.stats.compiled_exact == 2 and runner.stats.recompile_fallbacks == 0
+    assert runner.stats.compiled_exact == 2 + attention._use_triton and runner.stats.recompile_fallbacks == 0
     assert all(e.exact_ms > 0 for e in runner.entries.values())
     assert counters["stats"]["unique_graphs"] == compiled_graphs
 

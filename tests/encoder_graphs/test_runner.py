@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from encoder_graphs.budgets import BudgetConfigError, fitting_budget
 from encoder_graphs.runner import MAX_SPLIT, EncoderRunner, GraphConfig, build_ladder, canonical_order
-from models import from_preset
+from models import attention, from_preset
 from models.protocol import ItemSpec
 from tests.helpers import random_image, random_video, reference_item, reference_tower, relative_error
 
@@ -334,12 +334,14 @@ def test_a_wrong_compiled_exact_route_is_turned_off_at_startup(qwen3):
     assert_matches_reference(reference, pixels, specs, outputs)
 
 
-def test_exact_route_is_priced_and_offered_only_where_measured(qwen3):
+def test_exact_route_is_priced_and_offered_only_where_measured(qwen3, monkeypatch):
     """With measured costs, an equal-segment pack takes the (compiled) exact route when it beats
     the graph; an unequal pack (several attention calls per layer: host time the measured cost
-    does not price), a pack below the size the compile held for, or a budget whose exact cost
-    was not measured (NaN) keeps the graph."""
+    does not price) does only where attention runs it in one call (backend "triton"); a pack
+    below the size the compile held for, or a budget whose exact cost was not measured (NaN),
+    keeps the graph."""
     encoder, reference = qwen3
+    monkeypatch.setattr(attention, "_use_triton", False)
     runner = runner_with_costs(encoder, lambda budget: 10.0, eager_ms=50.0)
     runner._exact_compiled = True  # the plain forward stands in for the compiled one
     for entry in runner.entries.values():
@@ -352,6 +354,10 @@ def test_exact_route_is_priced_and_offered_only_where_measured(qwen3):
     assert runner.stats.last.eager_reason == "cost" and runner.stats.last.compiled
     assert_matches_reference(reference, unequal_pixels, unequal, runner.run(unequal_pixels, unequal))
     assert runner.stats.last.graph
+    monkeypatch.setattr(attention, "_use_triton", True)  # one launch per layer for any segments
+    assert_matches_reference(reference, unequal_pixels, unequal, runner.run(unequal_pixels, unequal))
+    assert runner.stats.last.eager_reason == "cost" and runner.stats.last.compiled
+    monkeypatch.setattr(attention, "_use_triton", False)
 
     runner._exact_min_rows = sum(s.input_patches for s in equal) + 1
     runner.run(equal_pixels, equal)

@@ -3,6 +3,8 @@ runner's padded layouts, in a CUDA graph, against attention written out per segm
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -89,21 +91,59 @@ def test_exact_layout_of_several_runs_takes_one_cudnn_call(monkeypatch):
         assert relative_error(out, per_segment(q, k, v, cu.tolist(), 72**-0.5)) < 2e-2
 
 
-def test_exact_long_segments_take_the_triton_kernel_under_backend_triton(monkeypatch):
+@pytest.mark.parametrize("in_graph", [True, False], ids=["for-graph", "outside-graphs"])
+def test_exact_layouts_under_backend_triton(monkeypatch, in_graph):
     """Under backend "triton", an exact layout whose segments are longer than
-    `TRITON_OVER_DENSE_SEQLEN` runs the Triton kernel (TMA loads) at head dim 72, dense cuDNN at
-    80 and for shorter equal segments; all match attention written out per segment."""
+    `TRITON_OVER_DENSE_SEQLEN` runs the Triton kernel (TMA loads) at head dim 72 and dense cuDNN
+    at 80. Shorter equal segments run dense cuDNN for a CUDA graph (`for_graph`: a warm-up, a
+    capture), the Triton kernel outside one (`TRITON_OUTSIDE_GRAPHS`: a cheaper launch), and
+    unequal ones the Triton kernel either way. All match attention written out per segment."""
     use_kernel(monkeypatch, "triton")
     calls = []
     real = attention.triton_varlen_attention
     monkeypatch.setattr(attention, "triton_varlen_attention", lambda *a: calls.append(a[4]) or real(*a))
-    cases = [([784] * 4, 72, []), ([5000], 72, [5000]), ([4608, 4608], 72, [4608]), ([5000], 80, [])]
+    short = [] if in_graph else [784]
+    cases = [
+        ([784] * 4, 72, short),
+        ([784] * 4, 80, short),
+        ([1024, 784, 784, 256], 72, [1024]),
+        ([5000], 72, [5000]),
+        ([4608, 4608], 72, [4608]),
+        ([5000], 80, []),
+    ]
     for lengths, dim, expected_calls in cases:
         calls.clear()
         rows = sum(lengths)
         cu = padded_cu_seqlens(lengths, rows, max(lengths), len(lengths)).cuda()
         q, k, v = torch.randn(rows, 3, 16, dim, device="cuda", dtype=torch.bfloat16).unbind(1)
-        with attention.exact_segments(lengths):
+        mode = attention.for_graph() if in_graph else contextlib.nullcontext()
+        with attention.exact_segments(lengths), mode:
             out = attention.exact_attention(q, k, v, cu, max(lengths), dim**-0.5)
         assert calls == expected_calls, (lengths, dim)
         assert relative_error(out, per_segment(q, k, v, cu.tolist(), dim**-0.5)) < 2e-2
+
+
+def test_exact_layout_captured_without_for_graph_takes_dense_cudnn(monkeypatch):
+    """While a stream captures, short equal segments pick dense cuDNN even without `for_graph`
+    (host time is not replayed); the graph replays correctly on new inputs."""
+    use_kernel(monkeypatch, "triton")
+    lengths = [784] * 4
+    rows = sum(lengths)
+    cu = padded_cu_seqlens(lengths, rows, 784, 4).cuda()
+    q, k, v = torch.randn(rows, 3, 16, 72, device="cuda", dtype=torch.bfloat16).unbind(1)
+    calls = []
+    real = attention.triton_varlen_attention
+    monkeypatch.setattr(attention, "triton_varlen_attention", lambda *a: calls.append(a[4]) or real(*a))
+    with attention.exact_segments(lengths):
+        with attention.for_graph():  # build cuDNN's dense plan outside capture
+            attention.exact_attention(q, k, v, cu, 784, 72**-0.5)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = attention.exact_attention(q, k, v, cu, 784, 72**-0.5)
+    assert calls == []
+    for t in (q, k, v):
+        t.copy_(torch.randn_like(t))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert relative_error(out, per_segment(q, k, v, cu.tolist(), 72**-0.5)) < 2e-2
