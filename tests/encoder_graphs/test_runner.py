@@ -206,6 +206,26 @@ def test_pack_just_over_a_budget_splits_when_smaller_graphs_cost_less(qwen3):
     assert slow.stats.eager_fallbacks["cost"] == 1 and not slow.stats.graph_hits
 
 
+def test_a_split_learns_what_its_parts_cost_back_to_back(qwen3, monkeypatch):
+    """A split is priced by its parts' startup timings, taken one at a time; back to back they
+    may cost more (on the H100, a 32 x 224x224 split ran 28.9 ms against 25.5 by its parts and
+    25.7 for one graph). The split is timed as routes without a graph are, and the excess it
+    learns sends the next such pack to the one graph; losing, it is slowly forgotten."""
+    encoder, reference = qwen3
+    pixels, specs = make_images(encoder, np.random.default_rng(6), [(256, 256), (256, 320), (256, 256)])
+    runner = runner_with_costs(encoder, lambda budget: {64: 10.0, 128: 30.0, 256: 70.0}[budget])
+    launch = runner._launch
+    monkeypatch.setattr(runner, "_launch", lambda *a: (time.sleep(0.1), launch(*a))[1])  # ~100 ms a part
+    assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+    assert runner.stats.split_packs == 1 and runner.stats.graph_hits == {128: 2}
+    scale = runner._route_scale[("split", 256)]
+    assert scale > 70.0 / 60.0  # > 200 ms measured against 2 x 30 ms
+    assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+    assert runner.stats.split_packs == 1 and runner.stats.graph_hits == {128: 2, 256: 1}
+    assert 1.0 < runner._route_scale[("split", 256)] < scale  # forgotten a little per loss
+    assert runner.describe()["learned_route_scale"]["split@256"] > 1.0
+
+
 def test_split_is_costed_on_the_graphs_its_parts_really_use(qwen3):
     """A split part with more segments than its own budget's graphs hold moves up a budget; the
     plan must price it there (on the H100 a mixed pack ran 2.5x slower than eager when the split
