@@ -275,7 +275,8 @@ TRITON_OUTSIDE_GRAPHS = True
 """Under backend "triton", exact layouts of short segments (<= `TRITON_OVER_DENSE_SEQLEN`) run
 outside a CUDA graph (the runner's compiled exact route, eager) take the Triton kernel, not dense
 cuDNN: there the host pays every launch, and the kernel's op costs it less than SDPA's cuDNN call
-(74-85 against 92-96 us at 8 x 784, `launch_probe.json`), with no cuDNN graph to build for a new
+(71-85 against 92-96 us at 8 x 784 on three H100 hosts, 133 against 174 on a fourth,
+`launch_probe*.json`), with no cuDNN graph to build for a new
 shape (~60 ms each, `cold_probe.json`). In a graph (`for_graph`, or while capturing) dense cuDNN
 keeps them: there only GPU time counts."""
 _in_graph: ContextVar[bool] = ContextVar("attention_for_graph", default=False)
