@@ -43,7 +43,7 @@ class ModelSettings(_Strict):
         "`cudnn` extra; Hopper or newer; FlashAttention-2 for short segments), flash (FlashAttention-2 "
         "only), triton (ours, a head-wide tile: models/triton_attention.py) or auto (triton on Hopper or "
         "newer, else cudnn where it can serve, else flash). Equal unpadded segments run dense cuDNN SDPA "
-        "under each (long ones at Qwen3-VL's head dim take triton under triton).",
+        "under each (under triton: in CUDA graphs only, and not long ones at Qwen3-VL's head dim).",
     )
 
     @model_validator(mode="after")

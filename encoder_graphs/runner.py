@@ -87,9 +87,9 @@ FORGET_HALF_LIFE = 128
 """Packs a route without a graph must lose to a graph (a split, to one graph) for half of what it
 learned beyond its startup estimate (a scale above 1, the cold cost) to be forgotten. A route is
 measured only when it runs, so without forgetting, one slow measurement (a host hiccup, a compile
-in another thread) would price it out for good. With it, a priced-out route is tried again after a while and learns
-anew; what that costs shrinks with the margin it lost by (a route truly 6x over its estimate,
-losing by 3x, runs again after ~300 lost packs)."""
+in another thread) would price it out for good. With it, a priced-out route is tried again after
+a while and learns anew; what that costs shrinks with the margin it lost by (a route truly 6x over
+its estimate, losing by 3x, runs again after ~300 lost packs)."""
 
 
 @dataclass(frozen=True)
@@ -286,8 +286,9 @@ class EncoderRunner:
         """(cost field, budget) -> measured / startup-estimated ms of a route without a graph
         ("eager_ms" uncompiled, "exact_ms" compiled), or of a pack split over several graphs
         ("split": against the sum of its parts' startup timings), learned from the packs it
-        served. The startup costs interpolate between full packs and do not see host launch time: on a slow
-        host the compiled exact route took 23.2 ms for a pack priced below its padded graph."""
+        served. The startup costs interpolate between full packs and do not see host launch time:
+        on a slow host the compiled exact route took 23.2 ms for a pack priced below its padded
+        graph."""
         self._shapes_run: OrderedDict[tuple[int, int], None] = OrderedDict()
         """Attention shapes ((count, length) of a run of equal segments) run on an exact layout:
         by a route without a graph, the compiled route's startup check, or a recurring pack's

@@ -11,7 +11,8 @@ cuDNN's varlen kernel on every layout measured, at both head shapes (Qwen3-VL's 
 (0.025 against 0.033), and at Qwen3-VL's 16 x 72 dense cuDNN on one 1792x1792 image (1.809 against
 1.901; long segments load keys and values through TMA descriptors, `TMA_MIN_SEQLEN`). Dense cuDNN
 stays faster on short equal unpadded segments (8 x 448x448: 0.103 against 0.107) and at 16 x 80,
-so those exact layouts keep it (`models/attention.py`). How the key loop got its shape (masks, TMA,
+so those exact layouts keep it in CUDA graphs (outside one, short ones take this kernel: a
+cheaper launch; `models/attention.py`). How the key loop got its shape (masks, TMA,
 lazy rescaling, bigger tiles, warp specialisation): `benchmarks/results/README.md`.
 
 Layout: `q`, `k`, `v` are `[rows, heads, dim]` (views whose row and head strides are multiples
