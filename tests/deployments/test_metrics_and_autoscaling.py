@@ -45,14 +45,21 @@ def test_every_metric_reports_sensible_values_after_a_known_workload(serve_harne
         )
         assert client.post(url + "/v1/encode", json={"items": [{"type": "image", "image": "%%%"}]}).status_code == 400
         assert client.post(url + "/v1/encode", json={"items": "not a list"}).status_code == 400
+    gauges = ("ray_vlm_router_queued_tokens", "ray_vlm_encoder_queued_tokens", "ray_vlm_router_cache_bytes")
     deadline, after = time.monotonic() + 60, before
     while time.monotonic() < deadline:
+        # Ray's agent exports each metric on its own schedule: wait for the last counters and for
+        # every gauge (a clean-clone run once scraped before the router's first gauge arrived).
         after = scrape(port)
-        if total(after, "ray_vlm_router_rejected_requests_total") - total(
-            before, "ray_vlm_router_rejected_requests_total"
-        ) >= 2 and (
-            total(after, "ray_vlm_encoder_eager_fallbacks_total", 'reason="oversize"')
-            > total(before, "ray_vlm_encoder_eager_fallbacks_total", 'reason="oversize"')
+        if (
+            total(after, "ray_vlm_router_rejected_requests_total")
+            - total(before, "ray_vlm_router_rejected_requests_total")
+            >= 2
+            and (
+                total(after, "ray_vlm_encoder_eager_fallbacks_total", 'reason="oversize"')
+                > total(before, "ray_vlm_encoder_eager_fallbacks_total", 'reason="oversize"')
+            )
+            and all(gauge in after for gauge in gauges)
         ):
             break
         time.sleep(1)
@@ -77,7 +84,7 @@ def test_every_metric_reports_sensible_values_after_a_known_workload(serve_harne
     assert total(after, "ray_vlm_router_pack_fill_sum") <= total(after, "ray_vlm_router_pack_fill_count")
     assert grew("ray_vlm_router_cache_hits_total", by=1) and grew("ray_vlm_router_cache_misses_total")
     assert grew("ray_vlm_router_rejected_requests_total", 'reason="invalid"', by=1)
-    for gauge in ("ray_vlm_router_queued_tokens", "ray_vlm_encoder_queued_tokens", "ray_vlm_router_cache_bytes"):
+    for gauge in gauges:
         assert gauge in after and all(value >= 0 for value in after[gauge].values())
 
 
