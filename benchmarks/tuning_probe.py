@@ -12,6 +12,7 @@ CUDA graph (the runner's shape graphs), and is timed by replay. Configurations:
   against cuBLAS too; much longer compiles; not run so far);
 - multi_kernel: `triton.multi_kernel = 1` (persistent and looped reductions both generated,
   the faster picked by benchmark);
+- t_fc2_proj, t_down, t_all: linear weights column-major (`lay_out_weights`);
 - persistent: inductor heuristics that make row reductions of up to 2048 columns persistent
   (one pass over each row; the default stops at 1024, below the towers' 1152 / 1280).
 
@@ -38,11 +39,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.encoder_bench import CASES, build_case, measure_peak_tflops, useful_flops  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
 from benchmarks.fusion_probe import kernel_profile  # noqa: E402
+from benchmarks.weight_layout_probe import set_column_major  # noqa: E402
 from encoder_graphs.selfcheck import back_to_back_ms, captured, relative_error  # noqa: E402
 from models import from_preset  # noqa: E402
 
 CUDA = torch.device("cuda")
-CONFIGS = ("default", "coordinate_descent", "max_autotune", "multi_kernel", "persistent")
+TRANSPOSED = {"t_fc2_proj": ("attn.proj", "mlp.linear_fc2"), "t_down": ("mlp.down_proj",), "t_all": ("",)}
+"""Weight layouts: the linear layers whose names end so hold their weights column-major (the
+same [out, in] tensor, strides (1, out)), so `F.linear` hands cuBLAS a row-major [in, out]
+operand: another kernel choice (`gemm_probe.json`: fc2 679 against 604 TFLOP/s at 6272 rows)."""
+CONFIGS = ("default", "coordinate_descent", "max_autotune", "multi_kernel", "persistent", *TRANSPOSED)
+
+
+def lay_out_weights(encoder, suffixes: tuple[str, ...]) -> None:
+    """Linear weights of the tower whose names end with one of `suffixes` column-major, the
+    rest row-major (contiguous)."""
+    for name, module in encoder.tower.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            set_column_major(module, bool(suffixes) and name.endswith(suffixes))
 
 
 def persistent_rows_choices():
@@ -71,6 +85,7 @@ def compiled_forward(encoder, config: str):
     import torch._inductor.config as inductor
 
     torch._dynamo.reset()
+    lay_out_weights(encoder, TRANSPOSED.get(config, ()))
     inductor.coordinate_descent_tuning = config == "coordinate_descent"
     mode = "max-autotune-no-cudagraphs" if config == "max_autotune" else None
     options = {"triton.multi_kernel": 1} if config == "multi_kernel" else None
