@@ -11,7 +11,14 @@ the self-check), and each case is timed three ways, each sample started on an id
   runner's compiled state: the route's own work (metadata, copies, the call) without the plan;
 - `call`: the compiled call alone on prepared metadata (as `launch_probe.py`).
 Also: dynamo's cache entries for the forward (each lookup checks entries in turn until one's
-guards pass), and the host timeline of one `run` (`launch_probe.host_timeline`).
+guards pass), the host timeline of one `run` (`launch_probe.host_timeline`), each path's GPU
+kernels (count, summed ms) and each path timed on its own.
+
+Two runs (`route_probe.json`, `route_probe_run2.json`): on 1792x1792 `run` took 105-109 ms and
+`forward_eager` 91-98 against 78-80 for the call, with the same kernels summing to the same
+time; `encoder_bench.py`'s first sighting of that pack, the same `run` in a captured runner,
+took 83.7 ms, and `stall_probe.py` finds only 1-2.5 ms between the call and `forward_eager`
+outside a runner. Cause of this probe's excess not established (see the results README).
 """
 
 from __future__ import annotations
