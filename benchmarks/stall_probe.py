@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.encoder_bench import CASES, build_case  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
+from benchmarks.launch_probe import compiled_and_warmed  # noqa: E402
 from encoder_graphs.runner import _exact_state  # noqa: E402
 from models import attention, from_preset  # noqa: E402
 from models.layout import segment_lengths  # noqa: E402
@@ -39,13 +40,8 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=["1 x 1792x1792", "mixed 896 + 4x448 + 8x224"])
     args = parser.parse_args()
     encoder = from_preset("qwen3-vl-8b", dtype=torch.bfloat16, device=CUDA, seed=0)
-    compiled = torch.compile(encoder.forward_padded, dynamic=True)
     rng = np.random.default_rng(0)
-    for items in ([("image", 1024, 1024)], [("image", 720, 720)] * 2):
-        _, pixels, specs = build_case(encoder, items, rng)
-        with _exact_state():
-            encoder.forward_eager(pixels, specs, forward=compiled)
-    torch.cuda.synchronize()
+    compiled = compiled_and_warmed(encoder, rng)
     rows = []
     for case in args.cases:
         _, pixels, specs = build_case(encoder, CASES[case], rng)
