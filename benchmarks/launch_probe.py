@@ -143,19 +143,25 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--preset", default="qwen3-vl-8b")
     parser.add_argument("--freezing", action="store_true", help="inductor's freezing (weights as constants)")
+    parser.add_argument("--cpp-wrapper", action="store_true", help="inductor's C++ wrapper (no Python wrapper code)")
+    parser.add_argument(
+        "--skip-guards", action="store_true", help="dynamo's skip_guard_eval_unsafe stance on the exact call"
+    )
+    parser.add_argument("--attention", choices=("both", "dense", "triton"), default="both")
     parser.add_argument("--cases", nargs="+", default=list(PROBED), choices=PROBED)
     args = parser.parse_args()
     encoder = from_preset(args.preset, dtype=torch.bfloat16, device=CUDA, seed=0)
-    if args.freezing:
-        from torch._inductor import config as inductor_config
+    from torch._inductor import config as inductor_config
 
-        inductor_config.freezing = True
+    inductor_config.freezing = args.freezing
+    inductor_config.cpp_wrapper = args.cpp_wrapper
     rng = np.random.default_rng(0)
     start = time.perf_counter()
     compiled = compiled_and_warmed(encoder, rng)
     warm_s = time.perf_counter() - start
     rows = []
-    for case, triton_outside in [(c, t) for c in args.cases for t in (False, True)]:
+    outside = {"both": (False, True), "dense": (False,), "triton": (True,)}[args.attention]
+    for case, triton_outside in [(c, t) for c in args.cases for t in outside]:
         attention.TRITON_OUTSIDE_GRAPHS = triton_outside
         _, pixels, specs = build_case(encoder, CASES[case], rng)
 
@@ -168,7 +174,8 @@ def main() -> None:
         lengths = segment_lengths(specs)
 
         def call(pixels=pixels, metadata=metadata, layout=layout, lengths=lengths):
-            with _exact_state(), attention.exact_segments(lengths), torch.compiler.set_stance("fail_on_recompile"):
+            stance = torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=args.skip_guards)
+            with _exact_state(), attention.exact_segments(lengths), stance:
                 return compiled(pixels, metadata, layout, True)
 
         call()
@@ -229,13 +236,17 @@ def main() -> None:
     record = {
         **environment(),
         "freezing": args.freezing,
+        "cpp_wrapper": args.cpp_wrapper,
+        "skip_guard_eval_unsafe": args.skip_guards,
         "attention_backend": "triton" if attention._use_triton else ("cudnn" if attention._use_cudnn else "flash"),
         "dense_call_us_8x784": dense_call_us,
         "triton_call_us_8x784": triton_call_us,
         "warm_s": warm_s,
         "cases": rows,
     }
-    path = Path(args.out) / f"launch_probe{'_freezing' if args.freezing else ''}.json"
+    flags = [name for name, on in (("freezing", args.freezing), ("cpp_wrapper", args.cpp_wrapper)) if on]
+    flags += ["skip_guards"] if args.skip_guards else []
+    path = Path(args.out) / f"launch_probe{''.join('_' + f for f in flags)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2))
     print(f"{record['device']}, torch {record['torch']}, warm-up compiles {warm_s:.0f} s")

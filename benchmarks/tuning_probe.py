@@ -13,6 +13,9 @@ CUDA graph (the runner's shape graphs), and is timed by replay. Configurations:
 - multi_kernel: `triton.multi_kernel = 1` (persistent and looped reductions both generated,
   the faster picked by benchmark);
 - t_fc2_proj, t_down, t_all: linear weights column-major (`lay_out_weights`);
+- plain_norms: Qwen3-VL's tower through transformers' own forward, the residual adds and layer
+  norms left to inductor (`qwen3_vl.FUSED_RESIDUAL_NORMS` False; the default fuses each pair in
+  one Triton kernel, `models/triton_norm.py`);
 - persistent: inductor heuristics that make row reductions of up to 2048 columns persistent
   (one pass over each row; the default stops at 1024, below the towers' 1152 / 1280).
 
@@ -41,14 +44,14 @@ from benchmarks.environment import environment  # noqa: E402
 from benchmarks.fusion_probe import kernel_profile  # noqa: E402
 from benchmarks.weight_layout_probe import set_column_major  # noqa: E402
 from encoder_graphs.selfcheck import back_to_back_ms, captured, relative_error  # noqa: E402
-from models import from_preset  # noqa: E402
+from models import from_preset, qwen3_vl  # noqa: E402
 
 CUDA = torch.device("cuda")
 TRANSPOSED = {"t_fc2_proj": ("attn.proj", "mlp.linear_fc2"), "t_down": ("mlp.down_proj",), "t_all": ("",)}
 """Weight layouts: the linear layers whose names end so hold their weights column-major (the
 same [out, in] tensor, strides (1, out)), so `F.linear` hands cuBLAS a row-major [in, out]
 operand: another kernel choice (`gemm_probe.json`: fc2 679 against 604 TFLOP/s at 6272 rows)."""
-CONFIGS = ("default", "coordinate_descent", "max_autotune", "multi_kernel", "persistent", *TRANSPOSED)
+CONFIGS = ("default", "coordinate_descent", "max_autotune", "multi_kernel", "persistent", "plain_norms", *TRANSPOSED)
 
 
 def lay_out_weights(encoder, suffixes: tuple[str, ...]) -> None:
@@ -85,6 +88,7 @@ def compiled_forward(encoder, config: str):
     import torch._inductor.config as inductor
 
     torch._dynamo.reset()
+    qwen3_vl.FUSED_RESIDUAL_NORMS = config != "plain_norms"
     lay_out_weights(encoder, TRANSPOSED.get(config, ()))
     inductor.coordinate_descent_tuning = config == "coordinate_descent"
     mode = "max-autotune-no-cudagraphs" if config == "max_autotune" else None

@@ -297,8 +297,12 @@ class QwenVisionEncoder:
         # functionalization on torch 2.11 ("RuntimeError: <weakref ... UntypedStorage>",
         # pytorch/pytorch#169477, #180823), which broke `compile: true` on the GPU host.
         with torch.no_grad():
-            result = self.tower(pixel_values, grid_thw=None, **kwargs)
+            result = self._run_tower(pixel_values, kwargs)
         return self._output(result)
+
+    def _run_tower(self, pixel_values: torch.Tensor, kwargs: dict):
+        """The tower's forward on precomputed metadata (`_tower_kwargs`)."""
+        return self.tower(pixel_values, grid_thw=None, **kwargs)
 
     def forward_eager(
         self,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
+from types import SimpleNamespace
 
 import torch
 from transformers.models.qwen2_vl import image_processing_qwen2_vl
@@ -23,6 +24,12 @@ from .layout import cat_rows, pad_rows
 from .processing import InvalidItemError, ResizeRules
 from .protocol import EncoderOutput, ItemSpec, PackLayout, TensorSpec
 from .qwen import QwenVisionEncoder
+
+try:  # Triton ships with torch's CUDA wheels; CPU-only installs run the plain ops
+    from . import triton_norm
+    from .triton_norm import add_layer_norm
+except ImportError:
+    triton_norm = add_layer_norm = None
 
 
 def qwen3_video_rule(num_frames, height, width, factor, temporal_factor, min_pixels, max_pixels):
@@ -49,6 +56,21 @@ def _interpolation(grid_thw: tuple[int, int, int], side: int, mode: str, align_c
         align_corners=align_corners,
         spatial_merge_size=merge_size,
     )
+
+
+FUSED_RESIDUAL_NORMS = True
+"""Run the tower's residual adds fused with the layer norms after them (`Qwen3VLEncoder._run_tower`)."""
+
+
+def residual_layer_norm(
+    hidden: torch.Tensor, delta: torch.Tensor, norm: torch.nn.LayerNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(hidden + delta, norm(hidden + delta))`: one Triton kernel on CUDA where it serves
+    (`models/triton_norm.py`), the two ops as transformers runs them elsewhere."""
+    if hidden.is_cuda and add_layer_norm is not None and triton_norm.supports(hidden, delta, norm.weight, norm.bias):
+        return add_layer_norm(hidden, delta, norm.weight, norm.bias, norm.eps)
+    summed = hidden + delta
+    return summed, norm(summed)
 
 
 class Qwen3VLEncoder(QwenVisionEncoder):
@@ -100,6 +122,39 @@ class Qwen3VLEncoder(QwenVisionEncoder):
             "interp_indices": metadata["interp_indices"],
             "interp_weights": metadata["interp_weights"],
         }
+
+    def _run_tower(self, pixel_values: torch.Tensor, kwargs: dict):
+        """transformers' `Qwen3VLVisionModel.forward` on precomputed metadata, with each residual
+        add fused with the layer norm that follows it (`residual_layer_norm`): the block's
+        `h + attn` with its `norm2`, and its `h + mlp` with the next block's `norm1`. Same modules,
+        same weights, same order of operations; `FUSED_RESIDUAL_NORMS` False runs transformers'
+        own forward (the A/B in `benchmarks/tuning_probe.py`)."""
+        if not FUSED_RESIDUAL_NORMS:
+            return super()._run_tower(pixel_values, kwargs)
+        tower = self.tower
+        kwargs = dict(kwargs)
+        interp_indices, interp_weights = kwargs.pop("interp_indices"), kwargs.pop("interp_weights")
+        position_ids, cu_seqlens = kwargs.pop("position_ids"), kwargs.pop("cu_seqlens")
+        hidden = tower.patch_embed(pixel_values)
+        pos_embeds = (tower.pos_embed(interp_indices) * interp_weights[:, :, None]).sum(1)
+        hidden = hidden + pos_embeds.to(hidden.dtype)
+        position_embeddings = tower.rotary_pos_emb(hidden, position_ids)
+        hidden = hidden.reshape(hidden.shape[0], -1)
+        blocks = tower.blocks
+        normed = blocks[0].norm1(hidden)
+        deepstack = []
+        for index, block in enumerate(blocks):
+            attended = block.attn(normed, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings, **kwargs)
+            hidden, normed = residual_layer_norm(hidden, attended, block.norm2)
+            delta = block.mlp(normed)
+            if index + 1 < len(blocks):
+                hidden, normed = residual_layer_norm(hidden, delta, blocks[index + 1].norm1)
+            else:
+                hidden = hidden + delta
+            if index in tower.deepstack_visual_indexes:
+                merger = tower.deepstack_merger_list[tower.deepstack_visual_indexes.index(index)]
+                deepstack.append(merger(hidden))
+        return SimpleNamespace(pooler_output=tower.merger(hidden), deepstack_features=deepstack)
 
     def _output(self, result) -> EncoderOutput:
         return EncoderOutput(tokens=result.pooler_output, deepstack=torch.stack(result.deepstack_features))
