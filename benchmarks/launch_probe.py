@@ -23,7 +23,10 @@ Saved (twelfth session): `launch_probe.json` (every case, both attention choices
 `launch_probe_host_ops.json` (8 x 448x448 with the host's self time by op), and
 `launch_probe_freezing.json` (`--freezing`: inductor's weights-as-constants, no better). An
 older run (commit 64beda8, with a direct cuDNN call A/B) is in the git history of
-`launch_probe.json`.
+`launch_probe.json`. Fourteenth session: `launch_probe_cpp_wrapper.json` (`--cpp-wrapper
+--attention triton`, two cases: no faster) and `launch_probe_cpp_wrapper_baseline.json` (the same
+without it, same host; that run's script also had a `--skip-guards` flag, never used, since
+removed).
 """
 
 from __future__ import annotations
@@ -144,9 +147,6 @@ def main() -> None:
     parser.add_argument("--preset", default="qwen3-vl-8b")
     parser.add_argument("--freezing", action="store_true", help="inductor's freezing (weights as constants)")
     parser.add_argument("--cpp-wrapper", action="store_true", help="inductor's C++ wrapper (no Python wrapper code)")
-    parser.add_argument(
-        "--skip-guards", action="store_true", help="dynamo's skip_guard_eval_unsafe stance on the exact call"
-    )
     parser.add_argument("--attention", choices=("both", "dense", "triton"), default="both")
     parser.add_argument("--cases", nargs="+", default=list(PROBED), choices=PROBED)
     args = parser.parse_args()
@@ -174,8 +174,7 @@ def main() -> None:
         lengths = segment_lengths(specs)
 
         def call(pixels=pixels, metadata=metadata, layout=layout, lengths=lengths):
-            stance = torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=args.skip_guards)
-            with _exact_state(), attention.exact_segments(lengths), stance:
+            with _exact_state(), attention.exact_segments(lengths), torch.compiler.set_stance("fail_on_recompile"):
                 return compiled(pixels, metadata, layout, True)
 
         call()
@@ -237,7 +236,6 @@ def main() -> None:
         **environment(),
         "freezing": args.freezing,
         "cpp_wrapper": args.cpp_wrapper,
-        "skip_guard_eval_unsafe": args.skip_guards,
         "attention_backend": "triton" if attention._use_triton else ("cudnn" if attention._use_cudnn else "flash"),
         "dense_call_us_8x784": dense_call_us,
         "triton_call_us_8x784": triton_call_us,
@@ -245,7 +243,6 @@ def main() -> None:
         "cases": rows,
     }
     flags = [name for name, on in (("freezing", args.freezing), ("cpp_wrapper", args.cpp_wrapper)) if on]
-    flags += ["skip_guards"] if args.skip_guards else []
     path = Path(args.out) / f"launch_probe{''.join('_' + f for f in flags)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2))
