@@ -133,8 +133,11 @@ class Qwen3VLEncoder(QwenVisionEncoder):
         """transformers' `Qwen3VLVisionModel.forward` on precomputed metadata, with each residual
         add fused with the layer norm that follows it (`residual_layer_norm`): the block's
         `h + attn` with its `norm2`, and its `h + mlp` with the next block's `norm1`. Same modules,
-        same weights, same order of operations; `FUSED_RESIDUAL_NORMS` False runs transformers'
-        own forward (the A/B in `benchmarks/tuning_probe.py`)."""
+        same weights, the same operations in the same order (the fused kernel's float32 reduction
+        rounds differently from torch's); what it leaves out is what the encoder never asks for:
+        hidden states or attentions recorded per layer, gradient checkpointing, hooks on the
+        blocks. `FUSED_RESIDUAL_NORMS` False runs transformers' own forward (the A/B in
+        `benchmarks/tuning_probe.py`)."""
         if not FUSED_RESIDUAL_NORMS:
             return super()._run_tower(pixel_values, kwargs)
         tower = self.tower

@@ -23,10 +23,13 @@ from models.triton_norm import launch, supports
 torch.manual_seed(0)
 worst = {}
 # A power-of-two width, Qwen3-VL's 1152 (masked past it), a narrow odd one; 0 and 1 rows too.
-for rows, n in [(5, 64), (3, 1152), (7, 40), (1, 1152), (0, 64)]:
+# The last case's eps is of the order of its rows' variance: an eps left out would show.
+for rows, n, eps in [(5, 64, 1e-6), (3, 1152, 1e-6), (7, 40, 1e-6), (1, 1152, 1e-6), (0, 64, 1e-6), (4, 96, 0.5)]:
     x, d = torch.randn(2, rows, n).unbind(0)
     x, d = x * 3 + 1, d * 0.5
-    norm = torch.nn.LayerNorm(n, eps=1e-6)
+    if eps > 0.1:
+        x, d = x / 3, d
+    norm = torch.nn.LayerNorm(n, eps=eps)
     with torch.no_grad():
         norm.weight.normal_(1, 0.1)
         norm.bias.normal_(0, 0.1)
@@ -37,6 +40,9 @@ for rows, n in [(5, 64), (3, 1152), (7, 40), (1, 1152), (0, 64)]:
     worst[(rows, n)] = (normed - norm(want)).abs().max().item() if rows else 0.0
 assert not supports(torch.zeros(2, 4), torch.zeros(2, 4), None, None)
 assert not supports(torch.zeros(4, 2).t(), torch.zeros(2, 4), torch.zeros(4), torch.zeros(4))
+assert not supports(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(3), torch.zeros(3))
+wide = [torch.zeros(2, 4, dtype=torch.float64)] * 2 + [torch.zeros(4, dtype=torch.float64)] * 2
+assert not supports(*wide)
 print(worst)
 assert max(worst.values()) < 1e-5, worst
 """
@@ -53,7 +59,9 @@ def test_kernel_matches_add_then_layer_norm_under_the_interpreter():
 def test_qwen3_tower_runs_its_own_block_loop_and_matches_transformers(monkeypatch):
     """The encoder's Qwen3-VL forward never calls transformers' block forward (its own loop fuses
     the adds with the norms), and still gives what transformers' tower gives, deepstack included;
-    the loop switched off gives the same."""
+    the loop switched off gives the same. (That the exact-segments hint still reaches every layer
+    is `test_padded_forward.py`'s hint test; that `max_seqlen` does, the GPU runner tests: without
+    it transformers reads it from the device in every layer, which breaks graph capture.)"""
     encoder = from_preset("qwen3-vl-tiny", seed=3)
     with torch.no_grad():  # every norm its own (initialised, they are all the identity)
         for module in encoder.tower.modules():
@@ -96,6 +104,8 @@ def test_fused_op_in_a_cuda_graph_matches_the_plain_ops(compiled):
         norm.weight.normal_(1, 0.1)
         norm.bias.normal_(0, 0.1)
     x, d = (torch.randn(6271, 1152, device=cuda, dtype=torch.bfloat16) for _ in range(2))
+    # The kernel serves this (else the check below would only test the plain ops).
+    assert qwen3_vl.add_layer_norm is not None and qwen3_vl.triton_norm.supports(x, d, norm.weight, norm.bias)
     fn = qwen3_vl.residual_layer_norm
     if compiled:
         fn = torch.compile(fn, dynamic=True, fullgraph=True)
