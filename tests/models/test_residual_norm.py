@@ -18,7 +18,7 @@ from tests.helpers import random_image, reference_item, reference_tower, relativ
 
 CHECK = r"""
 import torch
-from models.triton_norm import launch, supports
+from models.triton_norm import MAX_COLUMNS, launch, supports
 
 torch.manual_seed(0)
 worst = {}
@@ -43,6 +43,9 @@ assert not supports(torch.zeros(4, 2).t(), torch.zeros(2, 4), torch.zeros(4), to
 assert not supports(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(3), torch.zeros(3))
 wide = [torch.zeros(2, 4, dtype=torch.float64)] * 2 + [torch.zeros(4, dtype=torch.float64)] * 2
 assert not supports(*wide)
+n = MAX_COLUMNS + 1  # a row wider than the registers hold: the plain ops serve it
+assert not supports(torch.zeros(1, n), torch.zeros(1, n), torch.zeros(n), torch.zeros(n))
+assert supports(torch.zeros(1, n - 1), torch.zeros(1, n - 1), torch.zeros(n - 1), torch.zeros(n - 1))
 print(worst)
 assert max(worst.values()) < 1e-5, worst
 """
