@@ -25,7 +25,7 @@ from models import attention, from_checkpoint, from_preset
 from models.protocol import ItemOutput, ItemSpec
 
 from .config import AppConfig
-from .metrics import EncoderMetrics
+from .metrics import EncoderMetrics, refresh_gauges
 
 logger = logging.getLogger("ray.serve")
 
@@ -92,6 +92,7 @@ class EncoderReplica:
         self.metrics = EncoderMetrics()
         self._queued_tokens = 0
         self._inflight_tokens = 0
+        self._stop_gauges = refresh_gauges(lambda: self.metrics.queued_tokens.set(self._queued_tokens))
         self.ready_s = time.perf_counter() - start
 
     async def encode_pack(self, pack: PackRequest) -> PackResult:

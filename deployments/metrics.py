@@ -3,11 +3,26 @@
 Ray prefixes custom metrics with `ray_`; e.g. `vlm_encoder_vision_tokens` is scraped as
 `ray_vlm_encoder_vision_tokens_total`. configs/prometheus.yml shows a scrape config.
 Metric objects are created inside each replica (in its constructor).
+
+Gauges must be set again and again: Ray exports a gauge's series only while it is being set.
+One set once and left alone vanished from the scrape ~20 s later (Ray 2.60, measured with a
+1 s report interval), so a queue gauge set only when work arrives had gaps whenever a replica
+sat idle, and a dashboard or alert read "no data" for "0 queued". `refresh_gauges` re-sets them
+on a timer.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Callable
+
 from ray.serve.metrics import Counter, Gauge, Histogram
+
+logger = logging.getLogger(__name__)
+
+GAUGE_REFRESH_S = 5.0
+"""How often a replica re-sets its gauges (well inside the ~20 s after which Ray drops a series)."""
 
 SECONDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 FILL = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
@@ -73,3 +88,22 @@ class EncoderMetrics:
             "vlm_encoder_computed_tokens",
             description="Tokens computed by graphs (real + padding); waste = padded/computed.",
         )
+
+
+def refresh_gauges(update: Callable[[], None], interval_s: float = GAUGE_REFRESH_S) -> threading.Event:
+    """Call `update` (which sets a replica's gauges from its current state) now and every
+    `interval_s` seconds on a daemon thread, until the returned event is set. An error in
+    `update` is logged and the next tick tries again: metrics never stop a replica."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while True:
+            try:
+                update()
+            except Exception:
+                logger.exception("refreshing gauges failed")
+            if stop.wait(interval_s):
+                return
+
+    threading.Thread(target=loop, name="refresh-gauges", daemon=True).start()
+    return stop

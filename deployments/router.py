@@ -36,7 +36,7 @@ from .encoder import PackRequest
 from .errors import RequestError, item_error, overloaded
 from .http import create_api
 from .llm import GenerateRequest
-from .metrics import RouterMetrics
+from .metrics import RouterMetrics, refresh_gauges
 from .responses import encode_response_json
 from .scheduler import Overloaded, PackScheduler, QueuedItem
 from .schemas import EncodeRequest, EncodeResponse, ImageItem
@@ -106,7 +106,12 @@ class EncoderRouter:
         self.inflight = InflightTable()
         self._described: tuple[float, dict] | None = None
         """(monotonic time, the last encoder description) for `/v1/models` under saturation."""
+        self._stop_gauges = refresh_gauges(self._set_gauges)
         api.state.router = self  # the serving app's handlers reach the router through this
+
+    def _set_gauges(self) -> None:
+        self.metrics.queued_tokens.set(self.scheduler.queued_tokens)
+        self.metrics.cache_bytes.set(self.cache.bytes)
 
     # ---- HTTP ----
 

@@ -45,6 +45,7 @@ def test_every_metric_reports_sensible_values_after_a_known_workload(serve_harne
         )
         assert client.post(url + "/v1/encode", json={"items": [{"type": "image", "image": "%%%"}]}).status_code == 400
         assert client.post(url + "/v1/encode", json={"items": "not a list"}).status_code == 400
+    idle_since = time.monotonic()
     gauges = ("ray_vlm_router_queued_tokens", "ray_vlm_encoder_queued_tokens", "ray_vlm_router_cache_bytes")
     deadline, after = time.monotonic() + 60, before
     while time.monotonic() < deadline:
@@ -86,6 +87,14 @@ def test_every_metric_reports_sensible_values_after_a_known_workload(serve_harne
     assert grew("ray_vlm_router_rejected_requests_total", 'reason="invalid"', by=1)
     for gauge in gauges:
         assert gauge in after and all(value >= 0 for value in after[gauge].values())
+    # An idle service still exports its gauges (0 queued, not "no data"): Ray drops a gauge's
+    # series ~20 s after it was last set, so the replicas re-set theirs on a timer.
+    time.sleep(max(0.0, idle_since + 25 - time.monotonic()))
+    idle = scrape(port)
+    for gauge in gauges:
+        assert gauge in idle, f"{gauge} not exported after 25 s idle"
+    for gauge in ("ray_vlm_router_queued_tokens", "ray_vlm_encoder_queued_tokens"):
+        assert all(value == 0 for value in idle[gauge].values()), idle[gauge]
 
 
 def test_sustained_load_scales_encoders_up_and_idle_scales_them_back(serve_harness):
