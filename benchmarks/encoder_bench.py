@@ -257,6 +257,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-budget-tokens", type=int, default=8192)
     parser.add_argument("--budget-growth", type=float, default=GraphConfig.budget_growth)
+    parser.add_argument(
+        "--fine-budget-steps",
+        type=int,
+        default=GraphConfig.fine_budget_steps,
+        help="budgets per doubling above fine_budget_tokens (1: the old doubling ladder)",
+    )
     parser.add_argument("--segment-density", type=int, default=GraphConfig.segment_density)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="encoder_bench")
@@ -276,6 +282,7 @@ def main() -> None:
     config = GraphConfig(
         max_budget_tokens=args.max_budget_tokens,
         budget_growth=args.budget_growth,
+        fine_budget_steps=args.fine_budget_steps,
         segment_density=args.segment_density,
         compile=args.compile,
         compile_exact=args.compile_exact,

@@ -69,10 +69,16 @@ class GraphSettings(_Strict):
 
     max_budget_tokens: int = Field(8192, gt=0, description="Largest token budget; larger packs run eagerly.")
     budgets: list[int] | None = Field(
-        None, description="Explicit budget list (output tokens); default: doubling ladder."
+        None, description="Explicit budget list (output tokens); default: the automatic ladder."
     )
     min_budget_tokens: int = Field(64, gt=0, description="Smallest budget of the automatic ladder.")
-    budget_growth: float = Field(2.0, gt=1.0, description="Ratio between consecutive automatic budgets.")
+    budget_growth: float = Field(
+        2.0, gt=1.0, description="Ratio between consecutive automatic budgets below fine_budget_tokens."
+    )
+    fine_budget_tokens: int = Field(1024, gt=0, description="From this budget up, doublings are split finer.")
+    fine_budget_steps: int = Field(
+        8, ge=1, description="Budgets per doubling above fine_budget_tokens (1: plain doubling; see GraphConfig)."
+    )
     max_items_per_pack: int | None = Field(None, gt=0, description="Items per pack (<= smallest budget).")
     max_segments_per_pack: int | None = Field(None, gt=0, description="Attention segments any graph holds.")
     segment_density: int = Field(8, gt=0, description="Segments a graph holds per max_seqlen of its rows.")

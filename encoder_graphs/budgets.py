@@ -16,8 +16,13 @@ class BudgetConfigError(ValueError):
     """A token-budget configuration that cannot work; the message says how to fix it."""
 
 
-def auto_ladder(min_tokens: int, max_tokens: int, growth: float = 2.0) -> tuple[int, ...]:
-    """Budgets growing by `growth` from `min_tokens` up to and including `max_tokens`."""
+def auto_ladder(
+    min_tokens: int, max_tokens: int, growth: float = 2.0, fine_from: int | None = None, fine_steps: int = 1
+) -> tuple[int, ...]:
+    """Budgets growing by `growth` from `min_tokens` up to and including `max_tokens`; from
+    `fine_from` tokens up, each doubling split into `fine_steps` equal steps (1/`fine_steps` of
+    the power-of-two multiple of `fine_from` the budget is in: 1024, 1152, ..., 2048, 2304, ...),
+    so no pack above `fine_from` pads more than 1/`fine_steps` of its budget."""
     if min_tokens < 1:
         raise BudgetConfigError(f"smallest budget must be >= 1 token, got {min_tokens}")
     if max_tokens < min_tokens:
@@ -27,9 +32,19 @@ def auto_ladder(min_tokens: int, max_tokens: int, growth: float = 2.0) -> tuple[
         )
     if growth <= 1.0:
         raise BudgetConfigError(f"budget growth must be > 1, got {growth}")
+    if fine_steps < 1 or (fine_from is not None and fine_from < 1):
+        raise BudgetConfigError(
+            f"fine_budget_steps must be >= 1 and fine_budget_tokens >= 1, got {fine_steps} and {fine_from}"
+        )
     budgets = [min_tokens]
     while budgets[-1] < max_tokens:
-        budgets.append(min(max(int(budgets[-1] * growth), budgets[-1] + 1), max_tokens))
+        last = budgets[-1]
+        if fine_from is not None and fine_steps > 1 and last >= fine_from:
+            octave = fine_from << ((last // fine_from).bit_length() - 1)  # fine_from * 2^k <= last
+            step = max(1, octave // fine_steps)
+        else:
+            step = max(int(last * growth) - last, 1)
+        budgets.append(min(last + step, max_tokens))
     return tuple(budgets)
 
 

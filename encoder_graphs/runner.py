@@ -103,7 +103,19 @@ class GraphConfig:
     min_budget_tokens: int = 64
     """Smallest budget of the automatic ladder (raised to the model's smallest item)."""
     budget_growth: float = 2.0
-    """Ratio between consecutive budgets of the automatic ladder."""
+    """Ratio between consecutive budgets of the automatic ladder below `fine_budget_tokens`."""
+    fine_budget_tokens: int = 1024
+    """From this budget up, the automatic ladder splits each doubling into `fine_budget_steps`."""
+    fine_budget_steps: int = 8
+    """Steps per doubling above `fine_budget_tokens` (1: keep doubling): no pack that large pads
+    more than 1/`fine_budget_steps` of its budget. Above ~1024 tokens a pack's time grows with its
+    rows, padding included: Qwen3-VL-8B's 8 x 448x448 (1568 tokens) would pad to 2048 and ran
+    on the compiled exact route instead (17.3 ms); in the 1664-token graph it runs 16.1 ms
+    (`encoder_bench_qwen3_session15.md`). CUDA runners under attention backends other than
+    "triton" keep the doubling budgets of this ladder only: they take a graph per doubling
+    `max_seqlen` bucket, and 29 budgets would be ~180 graphs (`attention.graph_seqlen_buckets`).
+    The router packs against the full ladder either way (its pack-fill metric then counts
+    against budgets such a replica rounds up)."""
     max_items_per_pack: int | None = None
     """Most items one pack may hold; must be <= the smallest budget. None: min(64, smallest budget)."""
     max_segments_per_pack: int | None = None
@@ -225,13 +237,15 @@ def _replay_cost(entry: GraphEntry) -> float:
     return 0.0 if math.isnan(entry.replay_ms) else entry.replay_ms
 
 
-def build_ladder(config: GraphConfig, smallest_item_tokens: int) -> tuple[tuple[int, ...], int]:
-    """(budget ladder, max items per pack) for a model whose smallest item has this many tokens."""
+def build_ladder(config: GraphConfig, smallest_item_tokens: int, fine: bool = True) -> tuple[tuple[int, ...], int]:
+    """(budget ladder, max items per pack) for a model whose smallest item has this many tokens.
+    `fine=False`: the automatic ladder without its fine steps (`fine_budget_steps`)."""
     if config.budgets is not None:
         ladder = tuple(config.budgets)
     else:
         start = max(min(config.min_budget_tokens, config.max_budget_tokens), smallest_item_tokens)
-        ladder = auto_ladder(start, config.max_budget_tokens, config.budget_growth)
+        steps = config.fine_budget_steps if fine else 1
+        ladder = auto_ladder(start, config.max_budget_tokens, config.budget_growth, config.fine_budget_tokens, steps)
     max_items = config.max_items_per_pack
     if max_items is None:
         max_items = min(DEFAULT_MAX_ITEMS, min(ladder, default=1))
@@ -245,13 +259,17 @@ class EncoderRunner:
         self.encoder = encoder
         self.config = config
         self.device = encoder.device
-        self.ladder, self.max_items = build_ladder(config, encoder.min_item_tokens)
-        self.max_segments = config.max_segments_per_pack or 2 * self.max_items
         self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
+        # Under the Triton kernel a budget takes three graphs at most (`TRITON_GRAPH_BUCKETS`);
+        # under the others one per doubling bucket, which the fine steps would multiply.
+        flat_buckets = attention.graph_seqlen_buckets() if self.device.type == "cuda" else None
+        fine = self.device.type != "cuda" or flat_buckets is not None
+        self.ladder, self.max_items = build_ladder(config, encoder.min_item_tokens, fine)
+        self.max_segments = config.max_segments_per_pack or 2 * self.max_items
         self.stats = RunnerStats()
         self.memory = MemoryReport()
         self.capture_seconds = 0.0
-        buckets = seqlen_buckets(config.min_seqlen_bucket, self.ladder[-1] * encoder.merge_unit)
+        buckets = flat_buckets or seqlen_buckets(config.min_seqlen_bucket, self.ladder[-1] * encoder.merge_unit)
         layouts = [
             encoder.pack_layout(
                 budget,

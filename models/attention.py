@@ -298,6 +298,27 @@ def _launch_bound() -> bool:
     return TRITON_OUTSIDE_GRAPHS and not _in_graph.get() and not torch.cuda.is_current_stream_capturing()
 
 
+TRITON_GRAPH_BUCKETS = (1024, 4096)
+"""max_seqlen buckets of padded graphs under backend "triton" (below each budget's own rows). The
+Triton kernel's grid is (query blocks of max_seqlen, heads, segment slots), but its programs past
+a segment's end return at once, and on an H100 a graph's layout with one bucket per 4x costs it
+what the doubling buckets did (`benchmarks/results/grid_probe.json`: 8 x 448x448 in the 1024
+bucket 0.1085 against 0.1096 ms, 32 x 224x224 in 1024 instead of 256 0.0550 against 0.0538,
+Qwen2.5-VL's windows 0.94-1.02x). So a bucket is kept only where it changes what runs or what the
+runner assumes: 4096 is where keys and values switch to TMA loads (`TMA_MIN_SEQLEN`: slower on
+shorter segments), and 1024 keeps the startup timings of packs of images up to 512x512 on
+segments like theirs (a graph is timed on segments as long as its bucket allows, and the runner
+prices packs by those timings). Three graphs a budget at most is what lets the ladder be fine
+(`GraphConfig.fine_budget_steps`)."""
+
+
+def graph_seqlen_buckets() -> tuple[int, ...] | None:
+    """The max_seqlen buckets of padded graphs under backend "triton" (`TRITON_GRAPH_BUCKETS`);
+    None under the others (cuDNN's and FlashAttention-2's varlen kernels, not measured with few
+    buckets): the runner doubles buckets from `min_seqlen_bucket` there, as it always did."""
+    return TRITON_GRAPH_BUCKETS if _use_triton else None
+
+
 def exact_in_one_call() -> bool:
     """Whether an exact layout of unequal segments takes one attention launch per layer (the
     Triton kernel over all its segments), not one dense call per run of equal segments."""

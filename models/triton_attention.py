@@ -17,12 +17,9 @@ lazy rescaling, bigger tiles, warp specialisation): `benchmarks/results/README.m
 
 Layout: `q`, `k`, `v` are `[rows, heads, dim]` (views whose row and head strides are multiples
 of 8, the last dim contiguous; `aligned` copies others), segments are `cu_seqlens` (int32, on
-the device, no host read), one program per (query block, head) over a flat grid of every
-segment's blocks in turn: `rows / BLOCK_M` + one per segment slot, whatever the segments'
-lengths. So `max_seqlen` does not size the grid (it only picks the load path): a graph need not
-be captured per max_seqlen bucket to spare short segments the grid of the longest (the old grid,
-(max_seqlen / BLOCK_M, heads, segment slots), mostly returned at once on packs of short
-segments). Head offsets are hinted as multiples of 8 elements: Triton specialises only
+the device, no host read), one program per (query block, head, segment); a program whose block
+starts past its segment's end returns at once, so a grid sized by `max_seqlen` costs little for
+short segments. Head offsets are hinted as multiples of 8 elements: Triton specialises only
 integer arguments divisible by 16, so a head stride of 72 alone left every load unvectorised
 (136 TFLOP/s at 16 x 72 against 353 at 16 x 80 before the hint). No host sync, so it captures in
 a CUDA graph. Non-causal, no dropout. CPU tests run it under Triton's interpreter
@@ -108,41 +105,21 @@ def _block(
     return acc_a, acc_b, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["segments"])  # one compile for any segment count up to SEG_TILE
+@triton.jit
 def _varlen_forward(
-    Q, K, V, Out, CU, segments, scale_log2,
+    Q, K, V, Out, CU, scale_log2,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh,
     DIM: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr, HAS_B: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, FLAT: tl.constexpr, SEG_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
+    pid_m = tl.program_id(0)
     head = tl.program_id(1)
-    if FLAT:
-        # A flat grid over query blocks: segment i takes cdiv(length_i, BLOCK_M) consecutive
-        # blocks, in order, and each program finds its own from `cu_seqlens` (one vector load, a
-        # prefix sum), so the grid depends on the rows and the slots, not on `max_seqlen`.
-        block = tl.program_id(0)
-        idx = tl.arange(0, SEG_TILE)
-        real = idx < segments
-        starts = tl.load(CU + idx, mask=real, other=0)
-        lengths = tl.load(CU + idx + 1, mask=real, other=0) - starts
-        blocks = (lengths + BLOCK_M - 1) // BLOCK_M
-        ends = tl.cumsum(blocks, 0)  # one past each segment's last block
-        seg = tl.sum((ends <= block).to(tl.int32), 0)
-        if seg >= segments:
-            return
-        mine = idx == seg
-        start = tl.sum(tl.where(mine, starts, 0), 0).to(tl.int64)
-        length = tl.sum(tl.where(mine, lengths, 0), 0)
-        pid_m = block - tl.sum(tl.where(mine, ends - blocks, 0), 0)
-    else:
-        # One program per (query block, head, segment slot): blocks past a segment's end return.
-        pid_m = tl.program_id(0)
-        seg = tl.program_id(2)
-        first = tl.load(CU + seg)
-        length = tl.load(CU + seg + 1) - first
-        if pid_m * BLOCK_M >= length:
-            return
-        start = first.to(tl.int64)
+    seg = tl.program_id(2)
+    start = tl.load(CU + seg)
+    length = tl.load(CU + seg + 1) - start
+    if pid_m * BLOCK_M >= length:
+        return
+    start = start.to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < length
     cols0 = tl.arange(0, BLOCK_N)
@@ -199,31 +176,6 @@ cuDNN: 1.873); but 8 x 784 rows 0.116 against 0.105, and even on a padded pack o
 shorter segments, where the per-program descriptor setup is not paid back."""
 
 
-SEG_TILE_MIN = 256
-"""Segment slots one program of the flat grid scans to find its segment: at least this many (one
-compile for every layout of up to 256 slots: the runner's default 128 segments per pack, plus its
-padding), else the next power of two."""
-FLAT_MAX_SEGMENTS = 512
-"""Above this many segment slots the flat grid's scan costs each program more than the other
-grid's empty programs cost (Qwen2.5-VL's window layers: thousands of 64-patch slots, where
-`max_seqlen` is one block anyway)."""
-
-
-def seg_tile(segments: int) -> int:
-    return max(SEG_TILE_MIN, triton.next_power_of_2(segments))
-
-
-def flat_grid(rows: int, segments: int, max_seqlen: int, block_m: int) -> bool:
-    """Whether a launch takes the flat grid (`rows / block_m + segments` programs a head, each
-    scanning `cu_seqlens` for its segment) rather than one program per (query block of the longest
-    segment, segment slot): where that has fewer programs and few enough slots to scan. Exact
-    layouts (`max_seqlen` the longest segment) and window layers keep the other grid; a padded
-    layout whose `max_seqlen` bound is far above its segments takes the flat one."""
-    flat = triton.cdiv(rows, block_m) + segments
-    per_slot = triton.cdiv(max(max_seqlen, 1), block_m) * segments
-    return segments <= FLAT_MAX_SEGMENTS and flat < per_slot
-
-
 def tma_capable(*tensors: torch.Tensor) -> bool:
     """Device-side TMA descriptors: a Hopper or newer GPU and 16-byte aligned base addresses."""
     t = tensors[0]
@@ -252,14 +204,10 @@ def varlen_attention(
     out: torch.Tensor | None = None,
     config: TileConfig = DEFAULT_CONFIG,
     tma: bool | None = None,
-    flat: bool | None = None,
 ) -> torch.Tensor:
     """Attention within each segment of `cu_seqlens` over `[rows, heads, dim]` q/k/v; every
-    segment must be <= `max_seqlen`. Returns `[rows, heads, dim]`; rows past `cu_seqlens[-1]` are
-    left as they were in `out` (uninitialised when `out` is None).
-
-    `flat`: the grid (None: `flat_grid`'s choice); the flat one is right whatever the segments'
-    lengths, the other sizes its programs by `max_seqlen`.
+    segment must be <= `max_seqlen` (it sizes the grid). Returns `[rows, heads, dim]`; rows past
+    `cu_seqlens[-1]` are left as they were in `out` (uninitialised when `out` is None).
 
     `tma`: keys and values through TMA descriptors (None: when `max_seqlen` > `TMA_MIN_SEQLEN`,
     on a Hopper or newer GPU, with 16-byte aligned k and v)."""
@@ -284,17 +232,11 @@ def varlen_attention(
         device = q.device
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
     segments = cu_seqlens.numel() - 1
-    if flat is None:
-        flat = False
-    if flat:  # every segment's blocks: rows / block_m whole ones at most, one partial one per segment
-        grid = (triton.cdiv(rows, config.block_m) + segments, heads)
-    else:
-        grid = (triton.cdiv(max(max_seqlen, 1), config.block_m), heads, segments)
+    grid = (triton.cdiv(max(max_seqlen, 1), config.block_m), heads, segments)
     _varlen_forward[grid](
-        q, k, v, out, cu_seqlens, segments, scale * LOG2_E,
+        q, k, v, out, cu_seqlens, scale * LOG2_E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         DIM=dim, NA=wide, NB=max(narrow, 16), HAS_B=narrow > 0, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        TMA=bool(tma), FLAT=flat, SEG_TILE=seg_tile(segments) if flat else 1,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        TMA=bool(tma), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

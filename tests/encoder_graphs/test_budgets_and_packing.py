@@ -34,6 +34,40 @@ def test_auto_ladder_doubles_by_default():
     assert auto_ladder(64, 1000) == (64, 128, 256, 512, 1000)
 
 
+def test_fine_ladder_splits_each_doubling_above_its_start():
+    ladder = auto_ladder(64, 8192, 2.0, 1024, 8)
+    assert ladder[:6] == (64, 128, 256, 512, 1024, 1152)
+    assert {1664, 2048, 2304, 4096, 4608, 8192} <= set(ladder) and len(ladder) == 29
+    assert auto_ladder(64, 8192, 2.0, 1024, 1) == auto_ladder(64, 8192)
+
+
+@given(
+    st.integers(1, 3000),
+    st.integers(1, 40000),
+    st.integers(1, 4096),
+    st.integers(1, 16),
+    st.data(),
+)
+def test_fine_ladder_bounds_the_padding_of_every_pack_above_its_start(min_tokens, max_tokens, fine_from, steps, data):
+    if max_tokens < min_tokens:
+        return
+    ladder = auto_ladder(min_tokens, max_tokens, 2.0, fine_from, steps)
+    assert ladder[0] == min_tokens and ladder[-1] == max_tokens and list(ladder) == sorted(set(ladder))
+    tokens = data.draw(st.integers(min_tokens, max_tokens))
+    budget = fitting_budget(ladder, tokens)
+    previous = max((b for b in ladder if b < tokens), default=None)
+    if previous is not None and previous >= fine_from:
+        # The step from the budget below is 1/steps of a power-of-two multiple of fine_from that
+        # is <= that budget, so the padding is < budget/steps (plus 1 for rounding).
+        assert budget - tokens < budget / steps + 1
+
+
+@pytest.mark.parametrize("steps, start", [(0, 1024), (8, 0)])
+def test_fine_ladder_config_errors_name_the_settings(steps, start):
+    with pytest.raises(BudgetConfigError, match="fine_budget_steps must be >= 1 and fine_budget_tokens >= 1"):
+        auto_ladder(64, 8192, 2.0, start, steps)
+
+
 @given(st.lists(st.integers(1, 10000), min_size=1, max_size=12), st.integers(1, 64))
 def test_validate_ladder_sorts_and_enforces_items_per_pack(budgets, max_items):
     if max_items > min(budgets):

@@ -178,6 +178,20 @@ def test_ladder_config_errors_name_the_fix(config, message):
         build_ladder(config, 64)
 
 
+def test_a_pack_above_1024_tokens_pads_to_a_fine_budget_not_the_next_doubling(qwen3):
+    config = GraphConfig(max_budget_tokens=2048)
+    assert build_ladder(config, 4, fine=False)[0][-3:] == (512, 1024, 2048)
+    encoder, reference = qwen3
+    runner = EncoderRunner(encoder, config)
+    assert runner.ladder == build_ladder(config, encoder.min_item_tokens)[0]
+    assert runner.ladder[-9:] == (1024, 1152, 1280, 1408, 1536, 1664, 1792, 1920, 2048)
+    pixels, specs = make_images(encoder, np.random.default_rng(8), [(256, 256)] * 17)
+    assert sum(s.output_tokens for s in specs) == 1088
+    outputs = runner.run(pixels, specs)
+    assert runner.stats.graph_hits == {1152: 1}  # 6% padding; the doubling ladder's 2048 was 88%
+    assert_matches_reference(reference, pixels, specs, outputs)
+
+
 def runner_with_costs(encoder, replay_ms, eager_ms=1e9, **config):
     """A CPU runner that plans as a GPU one does, from given per-graph costs (what the startup
     self-check measures on CUDA); its 'graphs' run through the same static buffers."""

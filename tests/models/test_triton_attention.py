@@ -27,15 +27,11 @@ worst = {}
 lengths = [37, 16, 0, 100, 5, 64, 128, 129]
 rows = sum(lengths) + 7
 # Both load paths: pointers, and TMA descriptors (which zero-fill past a segment's last row).
-# Both grids: flat over every segment's blocks (right even with a max_seqlen bound below the
-# longest segment: it only sizes the other grid), and one program per (block, segment slot).
-for dim, tile, tma, flat in itertools.product(
-    (72, 80, 64), (TileConfig(32, 16, 4, 2), TileConfig()), (False, True), (False, True)
-):
+for dim, tile, tma in itertools.product((72, 80, 64), (TileConfig(32, 16, 4, 2), TileConfig()), (False, True)):
     q, k, v = torch.randn(rows, 3, 2, dim).unbind(1)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     out = torch.full_like(q, 7.0)
-    varlen_attention(q, k, v, cu, 16 if flat else max(lengths), dim**-0.5, out, tile, tma=tma, flat=flat)
+    varlen_attention(q, k, v, cu, max(lengths), dim**-0.5, out, tile, tma=tma)
     start, error = 0, 0.0
     for n in lengths:
         if n:
@@ -44,13 +40,13 @@ for dim, tile, tma, flat in itertools.product(
             error = max(error, (out[start : start + n] - ref).abs().max().item())
         start += n
     assert (out[start:] == 7.0).all(), "rows past the last segment were written"
-    worst[(dim, tile.block_m, tma, flat)] = error
-# More segments than one program's default scan tile (SEG_TILE_MIN): the next power of two, and
-# trailing empty slots (cu_seqlens repeating its last offset) as the runner's layouts have.
+    worst[(dim, tile.block_m, tma)] = error
+# Many slots, the last 20 empty (cu_seqlens repeating its last offset), as the runner's layouts
+# have: one program per (query block, head, slot), empty slots returning at once.
 many = [int(n) for n in torch.randint(1, 9, (150,))]
 cu = torch.tensor([0, *torch.tensor(many).cumsum(0).tolist()] + [sum(many)] * 20, dtype=torch.int32)
 q, k, v = torch.randn(sum(many) + 3, 3, 2, 72).unbind(1)
-out = varlen_attention(q, k, v, cu, 16, config=TileConfig(32, 16, 4, 2), flat=True)
+out = varlen_attention(q, k, v, cu, max(many), config=TileConfig(32, 16, 4, 2))
 start, error = 0, 0.0
 for n in many:
     seg = [t[start : start + n].transpose(0, 1) for t in (q, k, v)]
@@ -98,18 +94,3 @@ def test_inputs_the_kernel_cannot_take_are_refused_before_launch():
         head_split(8)
     with pytest.raises(ValueError, match="scale must be positive"):
         varlen_attention(q, q, q, cu, 10, scale=-1.0)
-
-
-def test_the_flat_grid_serves_padded_bounds_and_the_slot_grid_exact_and_window_layouts():
-    from models.triton_attention import FLAT_MAX_SEGMENTS, flat_grid
-
-    # 8 x 784-patch images padded to 6400 rows with 129 slots, max_seqlen bound 6400: the slot
-    # grid would launch 50 x 129 programs a head for 57 blocks of work.
-    assert flat_grid(6400, 129, 6400, 128)
-    # The same images on their exact layout (max_seqlen 784): 7 x 8 programs, no scan.
-    assert not flat_grid(6272, 8, 784, 128)
-    # One 12544-patch segment: one program per block either way; no scan.
-    assert not flat_grid(12544, 1, 12544, 128)
-    # Qwen2.5-VL's window layers: thousands of 64-patch slots, one block each.
-    assert not flat_grid(32768, 1800, 64, 128)
-    assert not flat_grid(32768, FLAT_MAX_SEGMENTS + 1, 32768, 128)
