@@ -262,14 +262,14 @@ class EncoderRunner:
         self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
         # Under the Triton kernel a budget takes three graphs at most (`TRITON_GRAPH_BUCKETS`);
         # under the others one per doubling bucket, which the fine steps would multiply.
-        flat_buckets = attention.graph_seqlen_buckets() if self.device.type == "cuda" else None
-        fine = self.device.type != "cuda" or flat_buckets is not None
+        triton_buckets = attention.graph_seqlen_buckets() if self.device.type == "cuda" else None
+        fine = self.device.type != "cuda" or triton_buckets is not None
         self.ladder, self.max_items = build_ladder(config, encoder.min_item_tokens, fine)
         self.max_segments = config.max_segments_per_pack or 2 * self.max_items
         self.stats = RunnerStats()
         self.memory = MemoryReport()
         self.capture_seconds = 0.0
-        buckets = flat_buckets or seqlen_buckets(config.min_seqlen_bucket, self.ladder[-1] * encoder.merge_unit)
+        buckets = triton_buckets or seqlen_buckets(config.min_seqlen_bucket, self.ladder[-1] * encoder.merge_unit)
         layouts = [
             encoder.pack_layout(
                 budget,
