@@ -307,9 +307,9 @@ bucket 0.1085 against 0.1096 ms, 32 x 224x224 in 1024 instead of 256 0.0550 agai
 Qwen2.5-VL's windows 0.94-1.02x). So a bucket is kept only where it changes what runs or what the
 runner assumes: 4096 is where keys and values switch to TMA loads (`TMA_MIN_SEQLEN`: slower on
 shorter segments), and 1024 keeps the startup timings of packs of small images (up to 1024
-patches: 448x448 for Qwen2.5-VL, 512x512 for Qwen3-VL) on segments like theirs (a graph is timed on segments as long as its bucket allows, and the runner
-prices packs by those timings). Three graphs a budget at most is what lets the ladder be fine
-(`GraphConfig.fine_budget_steps`)."""
+patches: 448x448 for Qwen2.5-VL, 512x512 for Qwen3-VL) on segments like theirs (a graph is
+timed on segments as long as its bucket allows, and the runner prices packs by those timings).
+Three graphs a budget at most is what lets the ladder be fine (`GraphConfig.fine_budget_steps`)."""
 
 
 def graph_seqlen_buckets() -> tuple[int, ...] | None:
