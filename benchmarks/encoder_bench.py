@@ -131,7 +131,8 @@ def bench_preset(preset: str, device: torch.device, dtype: torch.dtype, config: 
     hf = hf_tower(encoder, preset, dtype)
     runner = EncoderRunner(encoder, config)
     start = time.perf_counter()
-    runner.capture(progress=lambda message: None)
+    startup_log: list[str] = []  # where startup time goes: each capture, compile and the self-check
+    runner.capture(progress=lambda message: startup_log.append(f"{time.perf_counter() - start:7.1f} s {message}"))
     startup_s = time.perf_counter() - start
     rng = np.random.default_rng(0)
     rows = []
@@ -193,6 +194,7 @@ def bench_preset(preset: str, device: torch.device, dtype: torch.dtype, config: 
         "ladder": list(runner.ladder),
         "graphs": len(runner.entries),
         "startup_s": startup_s,
+        "startup_log": startup_log,
         "memory": runner.memory.summary() if runner.use_graphs else None,
         "stats": runner.stats.snapshot(),
         "learned_route_scale": runner.describe()["learned_route_scale"],
@@ -258,6 +260,12 @@ def main() -> None:
     parser.add_argument("--max-budget-tokens", type=int, default=8192)
     parser.add_argument("--budget-growth", type=float, default=GraphConfig.budget_growth)
     parser.add_argument(
+        "--fine-budget-tokens",
+        type=int,
+        default=GraphConfig.fine_budget_tokens,
+        help="the budget from which doublings are split finer (1024: the session-15 ladder)",
+    )
+    parser.add_argument(
         "--fine-budget-steps",
         type=int,
         default=GraphConfig.fine_budget_steps,
@@ -282,6 +290,7 @@ def main() -> None:
     config = GraphConfig(
         max_budget_tokens=args.max_budget_tokens,
         budget_growth=args.budget_growth,
+        fine_budget_tokens=args.fine_budget_tokens,
         fine_budget_steps=args.fine_budget_steps,
         segment_density=args.segment_density,
         compile=args.compile,

@@ -75,7 +75,7 @@ class GraphSettings(_Strict):
     budget_growth: float = Field(
         2.0, gt=1.0, description="Ratio between consecutive automatic budgets below fine_budget_tokens."
     )
-    fine_budget_tokens: int = Field(1024, gt=0, description="From this budget up, doublings are split finer.")
+    fine_budget_tokens: int = Field(128, gt=0, description="From this budget up, doublings are split finer.")
     fine_budget_steps: int = Field(
         8, ge=1, description="Budgets per doubling above fine_budget_tokens (1: plain doubling; see GraphConfig)."
     )

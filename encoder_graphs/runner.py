@@ -104,14 +104,15 @@ class GraphConfig:
     """Smallest budget of the automatic ladder (raised to the model's smallest item)."""
     budget_growth: float = 2.0
     """Ratio between consecutive budgets of the automatic ladder below `fine_budget_tokens`."""
-    fine_budget_tokens: int = 1024
+    fine_budget_tokens: int = 128
     """From this budget up, the automatic ladder splits each doubling into `fine_budget_steps`."""
     fine_budget_steps: int = 8
     """Steps per doubling above `fine_budget_tokens` (1: keep doubling): no pack that large pads
-    more than 1/`fine_budget_steps` of its budget. Above ~1024 tokens a pack's time grows with its
-    rows, padding included: Qwen3-VL-8B's 8 x 448x448 (1568 tokens) would pad to 2048 and ran
-    on the compiled exact route instead (17.3 ms); in the 1664-token graph it runs 16.1 ms
-    (`encoder_bench_qwen3_session15.md`). CUDA runners under attention backends other than
+    more than 1/`fine_budget_steps` of its budget. A replay's time grows with its rows, padding
+    included, from ~128 tokens up (Qwen3-VL-8B, H100: 2.4 ms at 128 tokens, 3.6 at 256, 5.2 at
+    512): Qwen3-VL-8B's 8 x 448x448 (1568 tokens) would pad to 2048 and ran on the compiled
+    exact route instead (17.3 ms), in the 1664-token graph 16.1 ms; its one 448x448 image (196
+    tokens) padded to 256 ran 3.8 ms (`encoder_bench_qwen3_session15.md`). CUDA runners under attention backends other than
     "triton" keep the doubling budgets of this ladder only: they take a graph per doubling
     `max_seqlen` bucket, and 29 budgets would be ~180 graphs (`attention.graph_seqlen_buckets`).
     The router packs against the full ladder either way (its pack-fill metric then counts

@@ -192,6 +192,17 @@ def test_a_pack_above_1024_tokens_pads_to_a_fine_budget_not_the_next_doubling(qw
     assert_matches_reference(reference, pixels, specs, outputs)
 
 
+def test_a_small_image_pads_to_a_fine_budget_below_1024_tokens(qwen3):
+    encoder, reference = qwen3
+    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=1024))
+    assert runner.ladder[:10] == (64, 128, 144, 160, 176, 192, 208, 224, 240, 256)
+    pixels, specs = make_images(encoder, np.random.default_rng(9), [(448, 448)])
+    assert specs[0].output_tokens == 196
+    outputs = runner.run(pixels, specs)
+    assert runner.stats.graph_hits == {208: 1}  # 6% padding; the doubling ladder's 256 was 31%
+    assert_matches_reference(reference, pixels, specs, outputs)
+
+
 def runner_with_costs(encoder, replay_ms, eager_ms=1e9, **config):
     """A CPU runner that plans as a GPU one does, from given per-graph costs (what the startup
     self-check measures on CUDA); its 'graphs' run through the same static buffers."""
