@@ -108,11 +108,13 @@ class GraphConfig:
     """From this budget up, the automatic ladder splits each doubling into `fine_budget_steps`."""
     fine_budget_steps: int = 8
     """Steps per doubling above `fine_budget_tokens` (1: keep doubling): no pack that large pads
-    more than 1/`fine_budget_steps` of its budget. A replay's time grows with its rows, padding
-    included, from ~128 tokens up (Qwen3-VL-8B, H100: 2.4 ms at 128 tokens, 3.6 at 256, 5.2 at
-    512): Qwen3-VL-8B's 8 x 448x448 (1568 tokens) would pad to 2048 and ran on the compiled
-    exact route instead (17.3 ms), in the 1664-token graph 16.1 ms; its one 448x448 image (196
-    tokens) padded to 256 ran 3.8 ms (`encoder_bench_qwen3_session15.md`). CUDA runners under attention backends other than
+    more than 1/`fine_budget_steps` of its budget. From ~128 tokens up a replay's time grows with
+    its rows, padding included, in steps (Qwen3-VL-8B, H100, startup timings of one run: 2.4 ms at
+    128 tokens, 3.5 at 256, 5.2 at 512, 9.4 at 1024; `encoder_bench_qwen3_session16.json`). One
+    896x896 image (784 tokens) replays in 11.5 ms in the 832-token graph against 14.1 in the 1024
+    one; 8 x 448x448 (1568 tokens) ran 16.1 ms in the 1664-token graph, 17.3 on the compiled exact
+    route when the next budget was 2048 (`encoder_bench_qwen3_session15.md`). CUDA runners under
+    attention backends other than
     "triton" keep the doubling budgets of this ladder only: they take a graph per doubling
     `max_seqlen` bucket, and 29 budgets would be ~180 graphs (`attention.graph_seqlen_buckets`).
     The router packs against the full ladder either way (its pack-fill metric then counts
@@ -548,10 +550,12 @@ class EncoderRunner:
                 self._check_exact(entry, pixels, specs, eager)
             if self.use_graphs:
                 # Copies in and out included: a split pays them per part (the replays alone
-                # priced a 32 x 224x224 split at 24.97 ms against 25.00 for one graph).
+                # priced a 32 x 224x224 split at 24.97 ms against 25.00 for one graph). No warm-up
+                # runs: the check above just ran the replay and the eager forward on these inputs.
                 part = lambda: self._launch(entry, metadata, pixels, specs, self.device)  # noqa: E731
-                entry.replay_ms = time_ms(part, self.device)
-                entry.eager_ms = time_ms(lambda: self.encoder.forward_eager(pixels, specs), self.device, repeats=3)
+                entry.replay_ms = time_ms(part, self.device, warmup=0)
+                eager_run = lambda: self.encoder.forward_eager(pixels, specs)  # noqa: E731
+                entry.eager_ms = time_ms(eager_run, self.device, repeats=3, warmup=0)
         enabled = sum(e.enabled for e in self.entries.values())
         progress(f"self-check: {enabled}/{len(self.entries)} graphs enabled")
 
@@ -584,7 +588,8 @@ class EncoderRunner:
             )
             return
         if self.use_graphs:
-            ms = time_ms(lambda: self._compiled_exact(pixels[:rows], equal), self.device, repeats=3)
+            # No warm-up: the check above just ran it.
+            ms = time_ms(lambda: self._compiled_exact(pixels[:rows], equal), self.device, repeats=3, warmup=0)
             entry.exact_ms = ms * entry.key[0] / tokens
 
     def _disable(self, entry: GraphEntry, why: str) -> None:
