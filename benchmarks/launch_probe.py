@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.encoder_bench import CASES, build_case  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
-from encoder_graphs.runner import _exact_state  # noqa: E402
+from encoder_graphs.exact_route import _exact_state  # noqa: E402
 from encoder_graphs.selfcheck import graph_replay_ms, time_ms  # noqa: E402
 from models import attention, from_preset  # noqa: E402
 from models.layout import segment_lengths  # noqa: E402

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.environment import environment  # noqa: E402
-from encoder_graphs.runner import _exact_state  # noqa: E402
+from encoder_graphs.exact_route import _exact_state  # noqa: E402
 from encoder_graphs.selfcheck import captured, interleaved_ms, synthetic_pixels, synthetic_specs  # noqa: E402
 from models import from_preset  # noqa: E402
 

@@ -65,7 +65,7 @@ class ModelSettings(_Strict):
 
 
 class GraphSettings(_Strict):
-    """Token budgets and CUDA graphs (see encoder_graphs.runner.GraphConfig)."""
+    """Token budgets and CUDA graphs (see encoder_graphs.config.GraphConfig)."""
 
     max_budget_tokens: int = Field(8192, gt=0, description="Largest token budget; larger packs run eagerly.")
     budgets: list[int] | None = Field(

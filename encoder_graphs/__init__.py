@@ -4,9 +4,10 @@ Talks to model code only through `models.protocol` (never imports transformers).
 """
 
 from .budgets import BudgetConfigError
+from .config import GraphConfig, build_ladder
 from .memory import GraphMemoryError
 from .packing import Pack, PackItem, pack_items
-from .runner import EncoderRunner, GraphConfig, build_ladder
+from .runner import EncoderRunner
 
 __all__ = [
     "BudgetConfigError",

@@ -248,9 +248,9 @@ def test_recurring_pack_gets_its_own_graph_and_matches_transformers(encoder, run
 
 
 def test_no_recurring_graph_is_captured_with_too_little_free_memory(encoder, runner, references, monkeypatch):
-    import encoder_graphs.runner as runner_module
+    import encoder_graphs.recurring as recurring_module
 
-    monkeypatch.setattr(runner_module, "RECURRING_MIN_FREE", 1 << 50)  # more than any GPU has free
+    monkeypatch.setattr(recurring_module, "RECURRING_MIN_FREE", 1 << 50)  # more than any GPU has free
     pre = encoder.preprocessor
     resized = [pre.resize_image(random_image(np.random.default_rng(7), 700, 500))]
     specs = [pre.spec("image", 1, *resized[0].shape[-2:])]

@@ -243,11 +243,11 @@ def test_a_split_learns_what_its_parts_cost_back_to_back(qwen3, monkeypatch):
     monkeypatch.setattr(runner, "_launch", lambda *a: (time.sleep(0.1), launch(*a))[1])  # ~100 ms a part
     assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
     assert runner.stats.split_packs == 1 and runner.stats.graph_hits == {128: 2}
-    scale = runner._route_scale[("split", 256)]
+    scale = runner.costs.route_scale[("split", 256)]
     assert scale > 70.0 / 60.0  # > 200 ms measured against 2 x 30 ms
     assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
     assert runner.stats.split_packs == 1 and runner.stats.graph_hits == {128: 2, 256: 1}
-    assert 1.0 < runner._route_scale[("split", 256)] < scale  # forgotten a little per loss
+    assert 1.0 < runner.costs.route_scale[("split", 256)] < scale  # forgotten a little per loss
     assert runner.describe()["learned_route_scale"]["split@256"] > 1.0
 
 
@@ -462,7 +462,7 @@ def test_a_route_priced_out_by_one_slow_run_is_tried_again(qwen3, monkeypatch, h
     pack it loses forgets part of its learned excess (`FORGET_HALF_LIFE`, 1 here so the test is
     short); it then runs again, and its next measurement brings the scale back down. With a
     half-life too long to matter (the second case) it stays priced out."""
-    monkeypatch.setattr("encoder_graphs.runner.FORGET_HALF_LIFE", half_life)
+    monkeypatch.setattr("encoder_graphs.route_costs.FORGET_HALF_LIFE", half_life)
     encoder, reference = qwen3
     stall = []
 
