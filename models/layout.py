@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .protocol import PackCapacityError
@@ -56,17 +57,28 @@ def padded_cu_seqlens(
 
 
 def pad_rows(values: torch.Tensor, total: int, fill: float | int = 0) -> torch.Tensor:
-    """`values` followed by `fill` rows up to `total` rows."""
+    """`values` (a CPU tensor) followed by `fill` rows up to `total` rows.
+
+    Filled and copied through numpy, not torch, like `cat_rows`: torch runs an op over more than
+    32768 elements on its intra-op thread pool, whose threads sleep while the replica waits on the
+    GPU and take milliseconds to wake. Qwen3-VL-8B's 1792x1792 image (12800 rows x 4 interpolation
+    taps) spent ~11 ms of its first sighting in these ops against 0.4 ms in a warm loop, H100 host
+    (`first_sighting_probe_steps16.json`); 5.7 ms per op after a 70 ms idle on the 2-core CI machine."""
     if values.shape[0] > total:
         raise PackCapacityError(f"{values.shape[0]} rows do not fit a buffer of {total}")
-    out = torch.full((total, *values.shape[1:]), fill, dtype=values.dtype)
-    out[: values.shape[0]] = values
+    out = torch.empty((total, *values.shape[1:]), dtype=values.dtype)
+    array = out.numpy()
+    array[: values.shape[0]] = values.numpy()
+    array[values.shape[0] :] = fill
     return out
 
 
 def cat_rows(pieces: Sequence[torch.Tensor], width: int, dtype: torch.dtype) -> torch.Tensor:
-    """Concatenate per-item row blocks; an empty pack gives `[0, width]`."""
-    return torch.cat(list(pieces)) if pieces else torch.zeros((0, width), dtype=dtype)
+    """Concatenate per-item row blocks (CPU tensors; through numpy, see `pad_rows`); an empty pack
+    gives `[0, width]`."""
+    if not pieces:
+        return torch.zeros((0, width), dtype=dtype)
+    return torch.from_numpy(np.concatenate([piece.numpy() for piece in pieces]))
 
 
 def segment_lengths(specs) -> list[int]:
