@@ -127,7 +127,8 @@ def test_self_check_disables_a_deliberately_broken_graph(encoder):
 
 def test_graph_that_turns_nonfinite_falls_back_to_eager(encoder, references):
     broken = Broken(encoder, 256)
-    runner = EncoderRunner(broken, GraphConfig(max_budget_tokens=512))
+    # The doubling ladder, so that the pack below (192 tokens) lands in the broken 256 graphs.
+    runner = EncoderRunner(broken, GraphConfig(max_budget_tokens=512, fine_budget_steps=1))
     runner.capture()
     assert all(e.enabled for e in runner.entries.values())
     broken.scale.fill_(float("inf"))  # the graph now produces inf/NaN; eager does not
