@@ -30,10 +30,11 @@ class GraphConfig:
     128 tokens, 3.5 at 256, 5.2 at 512, 9.4 at 1024; `encoder_bench_qwen3_session16.json`). One
     896x896 image (784 tokens) replays in 11.5 ms in the 832-token graph against 14.1 in the 1024
     one; 8 x 448x448 (1568 tokens) ran 16.1 ms in the 1664-token graph, 17.3 on the compiled exact
-    route when the next budget was 2048 (`encoder_bench_qwen3_session15.md`). CUDA runners under
-    attention backends other than
-    "triton" keep the doubling budgets of this ladder only: they take a graph per doubling
-    `max_seqlen` bucket, and 29 budgets would be ~180 graphs (`attention.graph_seqlen_buckets`).
+    route when the next budget was 2048 (`encoder_bench_qwen3_session15.md`). 16 steps: 226
+    graphs, ~2% faster large first sightings, ~100 s more startup (`first_sighting_probe_steps*`).
+    CUDA runners under attention backends other than "triton" keep the doubling budgets of this
+    ladder only: they take a graph per doubling `max_seqlen` bucket, and 50 budgets would be 267
+    graphs (`attention.graph_seqlen_buckets`).
     The router packs against the full ladder either way (its pack-fill metric then counts
     against budgets such a replica rounds up)."""
     max_items_per_pack: int | None = None
