@@ -10,8 +10,9 @@ times, in turns, each sample started on an idle GPU:
   replay, copy out, the finite check), so `run - graph` is the plan's host time and reordering;
 - `replay`: the graph's replay alone on the filled buffers, so `graph - replay` is the copies and
   the check;
-- `own`: the pack's own exact-layout graph (what a recurring pack gets), so `replay - own` is
-  what padding rows and the varlen layout cost;
+- `own`: `runner.run` once the pack has its own exact-layout graph (what a recurring pack gets,
+  where the runner kept it: `own_kept`), so `run - own` is what the first sighting pays over a
+  recurring pack (padding rows, the varlen layout, the plan);
 - `plan` and `metadata`: the host's planning and the metadata build alone (no GPU work).
 The budgets are the benchmark's for these cases only (a few graphs, so startup is short), and
 the compiled exact route is off: every case runs on graphs. `--fine-budget-steps` picks the
@@ -45,7 +46,8 @@ PROBED = ("8 x 448x448", "video 16 x 448x448", "mixed 896 + 4x448 + 8x224", "1 x
 def probe_case(runner: EncoderRunner, encoder, name: str, rng) -> dict:
     _, pixels, specs = build_case(encoder, CASES[name], rng)
     order = canonical_order(specs)  # as `run` orders the pack before planning it
-    pixels = torch.cat([_item_rows(pixels, specs)[i] for i in order])
+    rows = _item_rows(pixels, specs)
+    pixels = torch.cat([rows[i] for i in order])
     specs = [specs[i] for i in order]
     tokens = sum(s.output_tokens for s in specs)
     budget = fitting_budget(runner.ladder, tokens)

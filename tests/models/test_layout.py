@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from models.layout import padded_cu_seqlens, padding_chunks
+from models.layout import cat_rows, pad_rows, padded_cu_seqlens, padding_chunks
 from models.protocol import PackCapacityError
 
 
@@ -67,3 +67,16 @@ def test_padding_chunks_without_slots_uses_fewest_chunks():
     assert padding_chunks(100, 100, 40) == []
     with pytest.raises(PackCapacityError, match="do not fit"):
         padding_chunks(101, 100, 40)
+
+
+def test_pad_rows_and_cat_rows_copy_their_pieces_and_fill_the_rest():
+    pieces = [torch.arange(12, dtype=torch.int64).reshape(3, 4), torch.arange(8, dtype=torch.int64).reshape(4, 2).T]
+    joined = cat_rows(pieces, 4, torch.int64)  # the second piece is a transposed (strided) view
+    padded = pad_rows(joined, 9, fill=-1)
+    assert torch.equal(padded, torch.cat([*pieces, torch.full((4, 4), -1)]))
+    single = cat_rows(pieces[:1], 4, torch.int64)
+    padded[0, 0] = single[1, 1] = 99  # fresh buffers: the (cached) pieces stay as they were
+    assert pieces[0][0, 0] == 0 and pieces[0][1, 1] == 5
+    assert cat_rows([], 4, torch.float32).shape == (0, 4)
+    with pytest.raises(PackCapacityError, match="do not fit"):
+        pad_rows(joined, 2)
