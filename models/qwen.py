@@ -18,12 +18,13 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from typing import ClassVar
 
+import numpy as np
 import torch
 from transformers.activations import GELUTanh
 from transformers.vision_utils import get_vision_position_ids
 
 from . import attention
-from .layout import cat_rows, pad_rows, padded_cu_seqlens, segment_lengths
+from .layout import padded_cu_seqlens, padded_rows, segment_lengths
 from .processing import ResizeRules, VisionPreprocessor
 from .protocol import EncoderOutput, ItemSpec, PackCapacityError, PackLayout, TensorSpec
 
@@ -181,8 +182,9 @@ def use_fused_mlps(tower: torch.nn.Module) -> int:
 
 
 @lru_cache(maxsize=4096)
-def _position_ids(grid_thw: tuple[int, int, int], merge_size: int) -> torch.Tensor:
-    return get_vision_position_ids(torch.tensor([grid_thw]), merge_size)
+def _position_ids(grid_thw: tuple[int, int, int], merge_size: int) -> np.ndarray:
+    """One item's `[patches, 2]` rotary position ids (numpy: `padded_rows` copies them per pack)."""
+    return get_vision_position_ids(torch.tensor([grid_thw]), merge_size).numpy()
 
 
 class QwenVisionEncoder:
@@ -260,9 +262,9 @@ class QwenVisionEncoder:
         if used > rows:
             raise PackCapacityError(f"{used} patches exceed the layout's {rows}")
         lengths = segment_lengths(specs)
-        position_ids = cat_rows([_position_ids(s.grid_thw, self.spatial_merge_size) for s in specs], 2, torch.int64)
+        positions = [_position_ids(s.grid_thw, self.spatial_merge_size) for s in specs]
         return {
-            "position_ids": pad_rows(position_ids, rows),
+            "position_ids": padded_rows(positions, rows, (2,), torch.int64),
             "cu_seqlens": padded_cu_seqlens(lengths, rows, layout.max_seqlen, layout.max_segments),
         }
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from functools import lru_cache
 
+import numpy as np
 import torch
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig, Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
@@ -21,7 +22,7 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageP
 from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 from transformers.vision_utils import get_vision_window_index
 
-from .layout import padded_cu_seqlens
+from .layout import padded_cu_seqlens, padded_rows
 from .protocol import ItemSpec, PackLayout, TensorSpec
 from .qwen import QwenVisionEncoder
 from .qwen2_vl import QWEN2_RESIZE_RULES
@@ -29,11 +30,12 @@ from .qwen2_vl import QWEN2_RESIZE_RULES
 
 @lru_cache(maxsize=4096)
 def _item_windows(grid_thw: tuple[int, int, int], merge_size: int, window_size: int, patch_size: int):
-    """(window order of the item's merged units, window lengths in patches) for one item."""
+    """(window order of the item's merged units as a numpy array, window lengths in patches) for
+    one item."""
     index, cu_windows = get_vision_window_index(
         torch.tensor([grid_thw]), spatial_merge_size=merge_size, window_size=window_size, patch_size=patch_size
     )
-    return index, (cu_windows[1:] - cu_windows[:-1]).tolist()
+    return index.numpy(), (cu_windows[1:] - cu_windows[:-1]).tolist()
 
 
 class Qwen2_5_VLEncoder(QwenVisionEncoder):
@@ -92,10 +94,10 @@ class Qwen2_5_VLEncoder(QwenVisionEncoder):
             lengths.extend(window_lengths)
             offset += spec.output_tokens
         # Padding units stay in place, after every real unit.
-        indices.append(torch.arange(offset, layout.token_budget))
+        indices.append(np.arange(offset, layout.token_budget))
         rows = layout.token_budget * self.merge_unit
         chunk = min(self.window_patches, layout.max_seqlen)
-        metadata["window_index"] = torch.cat(indices)
+        metadata["window_index"] = padded_rows(indices, layout.token_budget, (), torch.int64)
         metadata["cu_window_seqlens"] = padded_cu_seqlens(lengths, rows, chunk, layout.max_window_segments)
         return metadata
 

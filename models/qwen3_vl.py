@@ -26,7 +26,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditional
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
-from .layout import cat_rows, pad_rows
+from .layout import padded_rows
 from .processing import InvalidItemError, ResizeRules
 from .protocol import EncoderOutput, ItemSpec, PackLayout, TensorSpec
 from .qwen import QwenVisionEncoder
@@ -55,13 +55,16 @@ def qwen3_video_rule(num_frames, height, width, factor, temporal_factor, min_pix
 
 @lru_cache(maxsize=4096)
 def _interpolation(grid_thw: tuple[int, int, int], side: int, mode: str, align_corners: bool, merge_size: int):
-    return get_vision_interpolation_indices_and_weights(
+    """One item's `[patches, taps]` position-embedding gather indices and weights (numpy:
+    `padded_rows` copies them per pack)."""
+    indices, weights = get_vision_interpolation_indices_and_weights(
         torch.tensor([grid_thw]),
         num_grid_per_side=side,
         mode=mode,
         align_corners=align_corners,
         spatial_merge_size=merge_size,
     )
+    return indices.numpy(), weights.numpy()
 
 
 FUSED_RESIDUAL_NORMS = True
@@ -118,8 +121,8 @@ class Qwen3VLEncoder(QwenVisionEncoder):
         rows = layout.token_budget * self.merge_unit
         pieces = [self._interpolation(s) for s in specs]
         taps = self.metadata_specs(layout)["interp_indices"].shape[1]
-        metadata["interp_indices"] = pad_rows(cat_rows([p[0] for p in pieces], taps, torch.int64), rows)
-        metadata["interp_weights"] = pad_rows(cat_rows([p[1] for p in pieces], taps, torch.float32), rows)
+        metadata["interp_indices"] = padded_rows([p[0] for p in pieces], rows, (taps,), torch.int64)
+        metadata["interp_weights"] = padded_rows([p[1] for p in pieces], rows, (taps,), torch.float32)
         return metadata
 
     def _tower_kwargs(self, metadata: Mapping[str, torch.Tensor], layout: PackLayout) -> dict:

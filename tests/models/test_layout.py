@@ -3,12 +3,13 @@ spread over the free slots (its attention cost is ~sum of squared segment length
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from models.layout import cat_rows, pad_rows, padded_cu_seqlens, padding_chunks
+from models.layout import padded_cu_seqlens, padded_rows, padding_chunks
 from models.protocol import PackCapacityError
 
 
@@ -69,14 +70,24 @@ def test_padding_chunks_without_slots_uses_fewest_chunks():
         padding_chunks(101, 100, 40)
 
 
-def test_pad_rows_and_cat_rows_copy_their_pieces_and_fill_the_rest():
+def test_padded_rows_copies_its_pieces_and_fills_the_rest():
     pieces = [torch.arange(12, dtype=torch.int64).reshape(3, 4), torch.arange(8, dtype=torch.int64).reshape(4, 2).T]
-    joined = cat_rows(pieces, 4, torch.int64)  # the second piece is a transposed (strided) view
-    padded = pad_rows(joined, 9, fill=-1)
+    padded = padded_rows(pieces, 9, (4,), torch.int64, fill=-1)  # the second piece is a strided view
     assert torch.equal(padded, torch.cat([*pieces, torch.full((4, 4), -1)]))
-    single = cat_rows(pieces[:1], 4, torch.int64)
-    padded[0, 0] = single[1, 1] = 99  # fresh buffers: the (cached) pieces stay as they were
-    assert pieces[0][0, 0] == 0 and pieces[0][1, 1] == 5
-    assert cat_rows([], 4, torch.float32).shape == (0, 4)
+    padded[0, 0] = 99  # a fresh buffer: the (cached) pieces stay as they were
+    assert pieces[0][0, 0] == 0
+    assert padded_rows([], 0, (4,), torch.float32).shape == (0, 4)
+    same = np.arange(6).reshape(3, 2)  # a run of one cached piece: one broadcast write
+    grouped = padded_rows([same, same, np.zeros((1, 2), np.int64), same], 11, (2,), torch.int64, fill=-1)
+    assert grouped.tolist() == [*same.tolist() * 2, [0, 0], *same.tolist(), [-1, -1]]
+    vector = padded_rows([torch.tensor([3, 1]), torch.tensor([2])], 5, (), torch.int64, fill=7)
+    assert vector.tolist() == [3, 1, 2, 7, 7]
     with pytest.raises(PackCapacityError, match="do not fit"):
-        pad_rows(joined, 2)
+        padded_rows(pieces, 4, (4,), torch.int64)
+
+
+def test_padded_cu_seqlens_without_padding_or_segments():
+    assert padded_cu_seqlens([3, 5], 8, 8, 4).tolist() == [0, 3, 8, 8, 8]
+    assert padded_cu_seqlens([], 0, 8, 2).tolist() == [0, 0, 0]
+    assert padded_cu_seqlens([], 6, 4, 2).tolist() == [0, 3, 6]
+    assert padded_cu_seqlens([2], 2, 4, 1).dtype == torch.int32
