@@ -271,6 +271,19 @@ def main() -> None:
         default=GraphConfig.fine_budget_steps,
         help="budgets per doubling above fine_budget_tokens (1: the old doubling ladder)",
     )
+    parser.add_argument(
+        "--finer-budget-range",
+        type=int,
+        nargs=2,
+        default=GraphConfig.finer_budget_range,
+        help="budgets in [FROM, UNTIL) take --finer-budget-steps per doubling",
+    )
+    parser.add_argument(
+        "--finer-budget-steps",
+        type=int,
+        default=GraphConfig.finer_budget_steps,
+        help="budgets per doubling inside --finer-budget-range (--fine-budget-steps's value: no finer range)",
+    )
     parser.add_argument("--segment-density", type=int, default=GraphConfig.segment_density)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="encoder_bench")
@@ -292,6 +305,8 @@ def main() -> None:
         budget_growth=args.budget_growth,
         fine_budget_tokens=args.fine_budget_tokens,
         fine_budget_steps=args.fine_budget_steps,
+        finer_budget_range=tuple(args.finer_budget_range),
+        finer_budget_steps=args.finer_budget_steps,
         segment_density=args.segment_density,
         compile=args.compile,
         compile_exact=args.compile_exact,

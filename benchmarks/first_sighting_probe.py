@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.encoder_bench import CASES, build_case, route  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
 from benchmarks.launch_probe import host_timeline  # noqa: E402
-from encoder_graphs.budgets import auto_ladder, fitting_budget  # noqa: E402
+from encoder_graphs.budgets import fitting_budget  # noqa: E402
+from encoder_graphs.config import build_ladder  # noqa: E402
 from encoder_graphs.runner import EncoderRunner, GraphConfig, canonical_order  # noqa: E402
 from encoder_graphs.selfcheck import interleaved_ms  # noqa: E402
 from models import from_preset  # noqa: E402
@@ -108,7 +109,7 @@ def main() -> None:
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
     encoder = from_preset(args.preset, dtype=dtype, device=DEVICE, seed=0)
     rng = np.random.default_rng(0)
-    ladder = auto_ladder(64, 8192, 2.0, GraphConfig.fine_budget_tokens, args.fine_budget_steps)
+    ladder, _ = build_ladder(GraphConfig(fine_budget_steps=args.fine_budget_steps), 64)
     needed = set()
     for name in PROBED:
         _, _, specs = build_case(encoder, CASES[name], np.random.default_rng(1))

@@ -79,6 +79,11 @@ class GraphSettings(_Strict):
     fine_budget_steps: int = Field(
         8, ge=1, description="Budgets per doubling above fine_budget_tokens (1: plain doubling; see GraphConfig)."
     )
+    finer_budget_range: tuple[int, int] | None = Field(
+        (1024, 4096),
+        description="Budgets from the first up to the second take finer_budget_steps per doubling (null: none).",
+    )
+    finer_budget_steps: int = Field(16, ge=1, description="Budgets per doubling inside finer_budget_range.")
     max_items_per_pack: int | None = Field(None, gt=0, description="Items per pack (<= smallest budget).")
     max_segments_per_pack: int | None = Field(None, gt=0, description="Attention segments any graph holds.")
     segment_density: int = Field(8, gt=0, description="Segments a graph holds per max_seqlen of its rows.")
@@ -98,6 +103,15 @@ class GraphSettings(_Strict):
     recurring_after: int = Field(
         2, ge=1, description="A pack (its items' grids, in any order) gets its own graph when seen this often."
     )
+
+    @model_validator(mode="after")
+    def _finer_range_ascends(self) -> GraphSettings:
+        low, high = self.finer_budget_range or (1, 2)
+        if not 0 < low < high:
+            raise ValueError(
+                f"finer_budget_range must be two budgets, the first > 0 and below the second; got {[low, high]}"
+            )
+        return self
 
     def to_config(self) -> GraphConfig:
         values = self.model_dump()

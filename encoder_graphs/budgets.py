@@ -17,12 +17,18 @@ class BudgetConfigError(ValueError):
 
 
 def auto_ladder(
-    min_tokens: int, max_tokens: int, growth: float = 2.0, fine_from: int | None = None, fine_steps: int = 1
+    min_tokens: int,
+    max_tokens: int,
+    growth: float = 2.0,
+    fine_from: int | None = None,
+    fine_steps: int = 1,
+    finer: tuple[int, int, int] | None = None,
 ) -> tuple[int, ...]:
     """Budgets growing by `growth` from `min_tokens` up to and including `max_tokens`; from
     `fine_from` tokens up, each doubling split into `fine_steps` equal steps (1/`fine_steps` of
     the power-of-two multiple of `fine_from` the budget is in: 1024, 1152, ..., 2048, 2304, ...),
-    so no pack above `fine_from` pads more than 1/`fine_steps` of its budget."""
+    so no pack above `fine_from` pads more than 1/`fine_steps` of its budget. `finer` (from,
+    until, steps): budgets in [from, until) take `steps` steps per doubling instead."""
     if min_tokens < 1:
         raise BudgetConfigError(f"smallest budget must be >= 1 token, got {min_tokens}")
     if max_tokens < min_tokens:
@@ -36,12 +42,18 @@ def auto_ladder(
         raise BudgetConfigError(
             f"fine_budget_steps must be >= 1 and fine_budget_tokens >= 1, got {fine_steps} and {fine_from}"
         )
+    if finer is not None and (finer[2] < 1 or not 0 < finer[0] < finer[1]):
+        raise BudgetConfigError(
+            f"finer_budget_range must be two budgets, the first > 0 and below the second, and "
+            f"finer_budget_steps >= 1; got {finer[:2]} and {finer[2]}"
+        )
     budgets = [min_tokens]
     while budgets[-1] < max_tokens:
         last = budgets[-1]
-        if fine_from is not None and fine_steps > 1 and last >= fine_from:
+        steps = finer[2] if finer is not None and finer[0] <= last < finer[1] else fine_steps
+        if fine_from is not None and steps > 1 and last >= fine_from:
             octave = fine_from << ((last // fine_from).bit_length() - 1)  # fine_from * 2^k <= last
-            step = max(1, octave // fine_steps)
+            step = max(1, octave // steps)
         else:
             step = max(int(last * growth) - last, 1)
         budgets.append(min(last + step, max_tokens))

@@ -37,6 +37,19 @@ class GraphConfig:
     graphs (`attention.graph_seqlen_buckets`).
     The router packs against the full ladder either way (its pack-fill metric then counts
     against budgets such a replica rounds up)."""
+    finer_budget_range: tuple[int, int] | None = (1024, 4096)
+    """Budgets from the first up to (not including) the second take `finer_budget_steps` steps
+    per doubling instead of `fine_budget_steps` (None: no such range). Where a pack of a few
+    images lands, and where a graph's self-check (eager, the compiled exact route and the replay,
+    four runs each) still costs well under a second; a graph of 4096-8192 tokens costs 2-6 s
+    (Qwen3-VL-8B, H100), which is why 16 steps everywhere added ~100 s (226 graphs)."""
+    finer_budget_steps: int = 16
+    """Steps per doubling inside `finer_budget_range`: no pack there pads more than 1/16. With 16
+    against 8, Qwen3-VL-8B's 8 x 448x448 (1568 tokens) lands in the 1600-token graph instead of
+    1664, 1792x1792 (3136) in 3200 instead of 3328, the mixed pack (2080) in 2176 instead of 2304.
+    16 more budgets, 162 graphs instead of 114; the self-check took 117 s instead of 89 and the
+    captures 6.5 s as before, startup 275 s against 263 on another host
+    (`encoder_bench_qwen3_session17_finer.json`, `encoder_bench_qwen3_session16_final.json`)."""
     max_items_per_pack: int | None = None
     """Most items one pack may hold; must be <= the smallest budget. None: min(64, smallest budget)."""
     max_segments_per_pack: int | None = None
@@ -84,13 +97,18 @@ class GraphConfig:
 
 def build_ladder(config: GraphConfig, smallest_item_tokens: int, fine: bool = True) -> tuple[tuple[int, ...], int]:
     """(budget ladder, max items per pack) for a model whose smallest item has this many tokens.
-    `fine=False`: the automatic ladder without its fine steps (`fine_budget_steps`)."""
+    `fine=False`: the automatic ladder without its fine steps (`fine_budget_steps`, the finer range)."""
     if config.budgets is not None:
         ladder = tuple(config.budgets)
     else:
         start = max(min(config.min_budget_tokens, config.max_budget_tokens), smallest_item_tokens)
         steps = config.fine_budget_steps if fine else 1
-        ladder = auto_ladder(start, config.max_budget_tokens, config.budget_growth, config.fine_budget_tokens, steps)
+        finer = None
+        if fine and config.finer_budget_range is not None:
+            finer = (*config.finer_budget_range, config.finer_budget_steps)
+        ladder = auto_ladder(
+            start, config.max_budget_tokens, config.budget_growth, config.fine_budget_tokens, steps, finer
+        )
     max_items = config.max_items_per_pack
     if max_items is None:
         max_items = min(DEFAULT_MAX_ITEMS, min(ladder, default=1))

@@ -15,6 +15,7 @@ from encoder_graphs.budgets import (
     seqlen_buckets,
     validate_ladder,
 )
+from encoder_graphs.config import GraphConfig, build_ladder
 from encoder_graphs.packing import PackItem, pack_items
 
 
@@ -60,6 +61,23 @@ def test_fine_ladder_bounds_the_padding_of_every_pack_above_its_start(min_tokens
         # The step from the budget below is 1/steps of a power-of-two multiple of fine_from that
         # is <= that budget, so the padding is < budget/steps (plus 1 for rounding).
         assert budget - tokens < budget / steps + 1
+
+
+def test_finer_range_takes_its_own_steps_per_doubling():
+    ladder = auto_ladder(64, 8192, 2.0, 128, 8, (1024, 4096, 16))
+    assert ladder == tuple(sorted({*auto_ladder(64, 1024, 2.0, 128, 8), *range(1024, 2048, 64), *range(2048, 4096, 128),
+                                   *auto_ladder(4096, 8192, 2.0, 128, 8)}))
+    assert {1600, 3200, 2176} <= set(ladder) and 1664 in ladder and 4160 not in ladder
+    # The default config: 8 x 448x448 of Qwen3-VL (1568 tokens) pads to 1600, not 1664.
+    assert fitting_budget(build_ladder(GraphConfig(), 64)[0], 1568) == 1600
+    assert fitting_budget(build_ladder(GraphConfig(finer_budget_range=None), 64)[0], 1568) == 1664
+    assert build_ladder(GraphConfig(), 64, fine=False)[0] == auto_ladder(64, 8192)
+
+
+@pytest.mark.parametrize("finer", [(4096, 1024, 16), (0, 1024, 16), (1024, 4096, 0)])
+def test_finer_range_config_errors_name_the_settings(finer):
+    with pytest.raises(BudgetConfigError, match="finer_budget_range must be two budgets"):
+        auto_ladder(64, 8192, 2.0, 128, 8, finer)
 
 
 @pytest.mark.parametrize("steps, start", [(0, 1024), (8, 0)])

@@ -184,11 +184,12 @@ def test_a_pack_above_1024_tokens_pads_to_a_fine_budget_not_the_next_doubling(qw
     encoder, reference = qwen3
     runner = EncoderRunner(encoder, config)
     assert runner.ladder == build_ladder(config, encoder.min_item_tokens)[0]
-    assert runner.ladder[-9:] == (1024, 1152, 1280, 1408, 1536, 1664, 1792, 1920, 2048)
+    assert runner.ladder[-17:] == tuple(range(1024, 2049, 64))  # the finer range: 16 steps a doubling
     pixels, specs = make_images(encoder, np.random.default_rng(8), [(256, 256)] * 17)
     assert sum(s.output_tokens for s in specs) == 1088
     outputs = runner.run(pixels, specs)
-    assert runner.stats.graph_hits == {1152: 1}  # 6% padding; the doubling ladder's 2048 was 88%
+    # No padding; 8 steps' 1152 would be 6%, the doubling ladder's 2048 88%.
+    assert runner.stats.graph_hits == {1088: 1}
     assert_matches_reference(reference, pixels, specs, outputs)
 
 
