@@ -33,7 +33,7 @@ class GraphConfig:
     route when the next budget was 2048 (`encoder_bench_qwen3_session15.md`). 16 steps: 226
     graphs, ~2% faster large first sightings, ~100 s more startup (`first_sighting_probe_steps*`).
     CUDA runners under attention backends other than "triton" keep the doubling budgets of this
-    ladder only: they take a graph per doubling `max_seqlen` bucket, and 50 budgets would be 267
+    ladder only: they take a graph per doubling `max_seqlen` bucket, and the 8-step ladder's 50 budgets would be 267
     graphs (`attention.graph_seqlen_buckets`).
     The router packs against the full ladder either way (its pack-fill metric then counts
     against budgets such a replica rounds up)."""

@@ -65,8 +65,16 @@ def test_fine_ladder_bounds_the_padding_of_every_pack_above_its_start(min_tokens
 
 def test_finer_range_takes_its_own_steps_per_doubling():
     ladder = auto_ladder(64, 8192, 2.0, 128, 8, (1024, 4096, 16))
-    assert ladder == tuple(sorted({*auto_ladder(64, 1024, 2.0, 128, 8), *range(1024, 2048, 64), *range(2048, 4096, 128),
-                                   *auto_ladder(4096, 8192, 2.0, 128, 8)}))
+    assert ladder == tuple(
+        sorted(
+            {
+                *auto_ladder(64, 1024, 2.0, 128, 8),
+                *range(1024, 2048, 64),
+                *range(2048, 4096, 128),
+                *auto_ladder(4096, 8192, 2.0, 128, 8),
+            }
+        )
+    )
     assert {1600, 3200, 2176} <= set(ladder) and 1664 in ladder and 4160 not in ladder
     # The default config: 8 x 448x448 of Qwen3-VL (1568 tokens) pads to 1600, not 1664.
     assert fitting_budget(build_ladder(GraphConfig(), 64)[0], 1568) == 1600
