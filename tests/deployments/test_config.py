@@ -17,6 +17,10 @@ from models import attention
         ({"max_budget_tokens": 0}, "max_budget_tokens"),
         ({"memory_fraction": 1.5}, "memory_fraction"),
         ({"segment_desnity": 4}, "segment_desnity"),  # a typo is an error, not a silent default
+        ({"finer_budget_range": [4096, 1024]}, "finer_budget_range"),
+        ({"finer_budget_range": [0, 1024]}, "finer_budget_range"),
+        ({"finer_budget_range": [1024]}, "finer_budget_range"),
+        ({"finer_budget_steps": 0}, "finer_budget_steps"),
     ],
 )
 def test_bad_graph_settings_are_refused_naming_the_field(graphs, field):
@@ -29,6 +33,13 @@ def test_graph_settings_reach_the_runner_config():
     config = AppConfig.model_validate({"graphs": {"segment_density": 4, "budget_growth": 1.5}})
     graph_config = config.graphs.to_config()
     assert (graph_config.segment_density, graph_config.budget_growth) == (4, 1.5)
+    finer = AppConfig.model_validate({"graphs": {"finer_budget_range": [2048, 8192], "finer_budget_steps": 32}})
+    assert (finer.graphs.to_config().finer_budget_range, finer.graphs.to_config().finer_budget_steps) == (
+        (2048, 8192),
+        32,
+    )
+    off = AppConfig.model_validate({"graphs": {"finer_budget_range": None}})
+    assert off.graphs.to_config().finer_budget_range is None
 
 
 def test_default_attention_kernel_is_the_library_default():
