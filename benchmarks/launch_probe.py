@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.encoder_bench import CASES, build_case  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
-from encoder_graphs.exact_route import _exact_state  # noqa: E402
+from encoder_graphs.exact_route import compile_state  # noqa: E402
 from encoder_graphs.selfcheck import graph_replay_ms, time_ms  # noqa: E402
 from models import attention, from_preset  # noqa: E402
 from models.layout import segment_lengths  # noqa: E402
@@ -135,7 +135,7 @@ def compiled_and_warmed(encoder, rng):
     compiled = torch.compile(encoder.forward_padded, dynamic=True)
     for items in ([("image", 1024, 1024)], [("image", 720, 720)] * 2):
         _, pixels, specs = build_case(encoder, items, rng)
-        with _exact_state():
+        with compile_state():
             encoder.forward_eager(pixels, specs, forward=compiled)
     torch.cuda.synchronize()
     return compiled
@@ -174,7 +174,7 @@ def main() -> None:
         lengths = segment_lengths(specs)
 
         def call(pixels=pixels, metadata=metadata, layout=layout, lengths=lengths):
-            with _exact_state(), attention.exact_segments(lengths), torch.compiler.set_stance("fail_on_recompile"):
+            with compile_state(), attention.exact_segments(lengths), torch.compiler.set_stance("fail_on_recompile"):
                 return compiled(pixels, metadata, layout, True)
 
         call()

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.encoder_bench import CASES, build_case, route  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
 from benchmarks.launch_probe import host_timeline  # noqa: E402
-from encoder_graphs.exact_route import _exact_state  # noqa: E402
+from encoder_graphs.exact_route import compile_state  # noqa: E402
 from encoder_graphs.runner import EncoderRunner, GraphConfig  # noqa: E402
 from encoder_graphs.selfcheck import interleaved_ms, time_ms  # noqa: E402
 from models import attention, from_preset  # noqa: E402
@@ -88,11 +88,11 @@ def main() -> None:
         lengths = segment_lengths(specs)
 
         def call():
-            with _exact_state(), attention.exact_segments(lengths), torch.compiler.set_stance("fail_on_recompile"):
+            with compile_state(), attention.exact_segments(lengths), torch.compiler.set_stance("fail_on_recompile"):
                 return runner._forward(pixels, metadata, layout, True)
 
         def eager_compiled():
-            with _exact_state(), torch.compiler.set_stance("fail_on_recompile"):
+            with compile_state(), torch.compiler.set_stance("fail_on_recompile"):
                 return encoder.forward_eager(pixels, specs, forward=runner._forward)
 
         routes = []

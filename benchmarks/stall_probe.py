@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.encoder_bench import CASES, build_case  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
 from benchmarks.launch_probe import compiled_and_warmed  # noqa: E402
-from encoder_graphs.exact_route import _exact_state  # noqa: E402
+from encoder_graphs.exact_route import compile_state  # noqa: E402
 from models import attention, from_preset  # noqa: E402
 from models.layout import segment_lengths  # noqa: E402
 
@@ -59,31 +59,31 @@ def main() -> None:
             return out
 
         def prepared_call():
-            with _exact_state(), attention.exact_segments(lengths), torch.compiler.set_stance("fail_on_recompile"):
+            with compile_state(), attention.exact_segments(lengths), torch.compiler.set_stance("fail_on_recompile"):
                 timed_call(prepared)
 
         def fresh_async():
             metadata = {k: v.to(CUDA, non_blocking=True) for k, v in encoder.pack_metadata(specs, layout).items()}
-            with _exact_state(), attention.exact_segments(lengths), torch.compiler.set_stance("fail_on_recompile"):
+            with compile_state(), attention.exact_segments(lengths), torch.compiler.set_stance("fail_on_recompile"):
                 timed_call(metadata)
 
         def fresh_blocking():
             metadata = {k: v.to(CUDA) for k, v in encoder.pack_metadata(specs, layout).items()}
-            with _exact_state(), attention.exact_segments(lengths), torch.compiler.set_stance("fail_on_recompile"):
+            with compile_state(), attention.exact_segments(lengths), torch.compiler.set_stance("fail_on_recompile"):
                 timed_call(metadata)
 
         def fresh_pinned():
             host = {k: v.pin_memory() for k, v in encoder.pack_metadata(specs, layout).items()}
             metadata = {k: v.to(CUDA, non_blocking=True) for k, v in host.items()}
-            with _exact_state(), attention.exact_segments(lengths), torch.compiler.set_stance("fail_on_recompile"):
+            with compile_state(), attention.exact_segments(lengths), torch.compiler.set_stance("fail_on_recompile"):
                 timed_call(metadata)
 
         def forward_eager():
-            with _exact_state(), torch.compiler.set_stance("fail_on_recompile"):
+            with compile_state(), torch.compiler.set_stance("fail_on_recompile"):
                 encoder.forward_eager(pixels, specs, forward=lambda *a: timed_call(a[1]))
 
         def eager_no_stance():
-            with _exact_state():
+            with compile_state():
                 encoder.forward_eager(pixels, specs, forward=lambda *a: timed_call(a[1]))
 
         paths = {

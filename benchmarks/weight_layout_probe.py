@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.environment import environment  # noqa: E402
-from encoder_graphs.exact_route import _exact_state  # noqa: E402
+from encoder_graphs.exact_route import compile_state  # noqa: E402
 from encoder_graphs.selfcheck import captured, interleaved_ms, synthetic_pixels, synthetic_specs  # noqa: E402
 from models import from_preset  # noqa: E402
 
@@ -79,7 +79,7 @@ def sweep(preset: str, rows: list[int], repeats: int) -> list[dict]:
     specs = synthetic_specs(256, 256 * unit, unit, 16)
     pixels = synthetic_pixels(specs, encoder.patch_dim, CUDA).to(encoder.dtype)
     patches = sum(s.input_patches for s in specs)
-    with _exact_state():
+    with compile_state():
         ratios = rows_per_patch(encoder.tower, lambda: encoder.forward_eager(pixels, specs), patches)
     layers = dict(encoder.tower.named_modules())
     groups: dict[tuple, list[str]] = {}

@@ -22,13 +22,13 @@ logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def _exact_state():
+def compile_state():
     """The global state every compiled call runs in (budget graphs' capture, the exact route, a
-    recurring pack's graph), whatever the caller's. Dynamo
-    guards on global state such as grad mode: the deployment's worker thread runs with grad
-    on, the benchmark under `inference_mode` (grad off); either would miss a compile made in
-    the other state. Not inference mode itself: compiling views under it fails on torch 2.11
-    (see `forward_padded`)."""
+    recurring pack's graph), whatever the caller's; probes that call the compiled forward
+    themselves enter it too. Dynamo guards on global state such as grad mode: the deployment's
+    worker thread runs with grad on, the benchmark under `inference_mode` (grad off); either
+    would miss a compile made in the other state. Not inference mode itself: compiling views
+    under it fails on torch 2.11 (see `forward_padded`)."""
     with torch.inference_mode(False), torch.no_grad():
         yield
 
@@ -59,7 +59,7 @@ class ExactRoute:
         warm = ([image(one, one)], [image(half, half)] * 2)
         for specs in warm:
             pixels = synthetic_pixels(specs, self.encoder.patch_dim, self.device)
-            with _exact_state():
+            with compile_state():
                 self.encoder.forward_eager(pixels.to(self.encoder.dtype), specs, forward=self._forward)
         torch.cuda.synchronize(self.device)
         self._exact_min_rows = min(sum(s.input_patches for s in specs) for specs in warm)
@@ -87,7 +87,7 @@ class ExactRoute:
         """The compiled forward on the pack's exact layout; None where that would need a compile
         (seconds, on the request path): dynamo raises instead of compiling."""
         try:
-            with _exact_state(), torch.compiler.set_stance("fail_on_recompile"):
+            with compile_state(), torch.compiler.set_stance("fail_on_recompile"):
                 # One copy at most: a caller's inference tensor (from its inference_mode) cannot
                 # enter the compiled forward, and another dtype would recompile.
                 pixel_values = pixel_values.to(self.encoder.dtype, copy=pixel_values.is_inference())

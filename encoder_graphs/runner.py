@@ -62,7 +62,7 @@ from .budgets import (
 from .buffers import StaticBuffers
 from .config import GraphConfig, build_ladder  # callers import these from here too
 from .entry import GraphEntry, GraphKey, PackKey, replay_cost
-from .exact_route import ExactRoute, _exact_state
+from .exact_route import ExactRoute, compile_state
 from .memory import MemoryReport, check_fits, fit_memory_model, measure_peak_bytes, pool_reserved_bytes
 from .recurring import RecurringGraphs
 from .route_costs import RouteCosts, attention_shapes
@@ -241,9 +241,9 @@ class EncoderRunner(RecurringGraphs, ExactRoute):
         forward = entry.forward or self._forward
         exact = entry.segments is not None
         lengths = attention.exact_segments(entry.segments) if exact else contextlib.nullcontext()
-        # One fixed global state for every compiled call (see `_exact_state`): a recurring pack's
+        # One fixed global state for every compiled call (see `compile_state`): a recurring pack's
         # graph, captured on a request, then finds the compile the budget graphs made at startup.
-        with _exact_state(), lengths:
+        with compile_state(), lengths:
             out = forward(entry.inputs["pixel_values"], metadata, entry.layout, *((True,) if exact else ()))
         entry.outputs["tokens"].copy_(out.tokens)
         finite = torch.isfinite(out.tokens).all(dim=-1)
