@@ -415,20 +415,23 @@ def test_exact_route_is_priced_and_offered_only_where_measured(qwen3, monkeypatc
     assert runner.stats.last.graph and runner.stats.recompile_fallbacks == 0
 
 
-def test_a_route_without_a_graph_learns_its_cost_from_the_packs_it_serves(qwen3):
+def test_a_route_without_a_graph_learns_its_cost_from_the_packs_it_serves(qwen3, monkeypatch):
     """The startup costs interpolate between full packs and miss host launch time and the first
     run of a new attention shape (cuDNN builds its graph for it). The route measures the packs it
     serves (the GPU span on CUDA, the host clock here): packs of shapes run before teach the
     route's scale; once that is known, a pack with a new shape teaches the cold cost, which new
-    shapes are then priced with. The forward here pays 0.3 s the first time it meets a shape,
-    as cuDNN's build does (60-68 ms on the H100)."""
+    shapes are then priced with. On the routes' clock (`route_clock`) the forward here costs 20
+    ms, plus 0.3 s the first time it meets a shape, as cuDNN's build does (60-68 ms on the H100)."""
     encoder, reference = qwen3
     built = set()
+    clock = route_clock(monkeypatch)
 
     def builds_per_shape(pixel_values, metadata, layout, exact_segments=False):
-        if exact_segments and pixel_values.shape[0] not in built:
-            built.add(pixel_values.shape[0])
-            time.sleep(0.3)
+        if exact_segments:
+            clock.advance(0.02)  # the forward
+            if pixel_values.shape[0] not in built:
+                built.add(pixel_values.shape[0])
+                clock.advance(0.3)  # the build
         return encoder.forward_padded(pixel_values, metadata, layout, exact_segments)
 
     runner = runner_with_costs(encoder, lambda budget: 150.0, eager_ms=1e9)
@@ -449,27 +452,28 @@ def test_a_route_without_a_graph_learns_its_cost_from_the_packs_it_serves(qwen3)
     assert runner.describe()["learned_cold_ms"] is None and runner.describe()["learned_route_scale"] == {}
     assert route(*two) == "exact"  # a shape run before: this run teaches the scale
     scale = runner.describe()["learned_route_scale"]["exact_ms@128"]
-    assert scale > 100  # milliseconds measured for 1e-3 priced; still under the graph's 150 ms
+    assert scale == pytest.approx(20 / 1e-3)  # 20 ms measured for 1e-3 priced; under the graph's 150 ms
     assert route(*big) == "exact"  # a new shape, no cold cost known yet: it teaches it
-    assert runner.describe()["learned_cold_ms"] > 200
+    assert runner.describe()["learned_cold_ms"] == pytest.approx(300)
     assert route(*other) == "graph"  # a new shape, priced with the cold cost
     assert route(*two) == "exact"  # a shape run before: no cold cost
 
 
 @pytest.mark.parametrize("half_life", [1, 1e9])
 def test_a_route_priced_out_by_one_slow_run_is_tried_again(qwen3, monkeypatch, half_life):
-    """A route is measured only when it runs: one hiccup (here a 1 s stall on a warm shape) prices
-    it above the graph, and without forgetting it would never run, so never be corrected. Each
-    pack it loses forgets part of its learned excess (`FORGET_HALF_LIFE`, 1 here so the test is
-    short); it then runs again, and its next measurement brings the scale back down. With a
-    half-life too long to matter (the second case) it stays priced out."""
+    """A route is measured only when it runs: one hiccup (here a 1 s stall on a warm shape, on the
+    routes' clock) prices it above the graph, and without forgetting it would never run, so never
+    be corrected. Each pack it loses forgets part of its learned excess (`FORGET_HALF_LIFE`, 1
+    here so the test is short); it then runs again, and its next measurement brings the scale
+    back down. With a half-life too long to matter (the second case) it stays priced out."""
     monkeypatch.setattr("encoder_graphs.route_costs.FORGET_HALF_LIFE", half_life)
     encoder, reference = qwen3
     stall = []
+    clock = route_clock(monkeypatch)
 
     def hiccups(pixel_values, metadata, layout, exact_segments=False):
-        if exact_segments and stall:
-            time.sleep(stall.pop())
+        if exact_segments:
+            clock.advance(0.02 + (stall.pop() if stall else 0.0))
         return encoder.forward_padded(pixel_values, metadata, layout, exact_segments)
 
     runner = runner_with_costs(encoder, lambda budget: 150.0, eager_ms=1e9)
@@ -484,7 +488,7 @@ def test_a_route_priced_out_by_one_slow_run_is_tried_again(qwen3, monkeypatch, h
 
     assert [route(), route()] == ["exact", "exact"]  # the second run teaches the scale
     settled = runner.describe()["learned_route_scale"]["exact_ms@128"]
-    assert settled * 1e-3 < 150
+    assert settled * 1e-3 == pytest.approx(20)
     stall.append(1.0)
     assert route() == "exact"  # the hiccup: ~1000 ms measured, learned at half weight
     assert runner.describe()["learned_route_scale"]["exact_ms@128"] * 1e-3 > 150
@@ -595,6 +599,26 @@ def test_recurring_graphs_are_bounded_and_can_be_turned_off(qwen3):
     for _ in range(3):
         assert_matches_reference(reference, big_pixels, big, small.run(big_pixels, big))
     assert small.stats.recurring_captured == 0 and small.stats.eager_fallbacks["oversize"] == 3
+
+
+class RouteClock:
+    """The host clock the route costs read on CPU, advanced only by what a test's forward says it
+    costs: learned costs then follow the test's numbers, not the CI machine's load."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def route_clock(monkeypatch) -> RouteClock:
+    clock = RouteClock()
+    monkeypatch.setattr("encoder_graphs.route_costs.time", clock)
+    return clock
 
 
 def slow(forward):
