@@ -28,7 +28,8 @@ def auto_ladder(
     `fine_from` tokens up, each doubling split into `fine_steps` equal steps (1/`fine_steps` of
     the power-of-two multiple of `fine_from` the budget is in: 1024, 1152, ..., 2048, 2304, ...),
     so no pack above `fine_from` pads more than 1/`fine_steps` of its budget. `finer` (from,
-    until, steps): budgets in [from, until) take `steps` steps per doubling instead."""
+    until, steps): budgets in [from, until) take `steps` steps per doubling of `from` instead,
+    whether or not `fine_from` is below `from`."""
     if min_tokens < 1:
         raise BudgetConfigError(f"smallest budget must be >= 1 token, got {min_tokens}")
     if max_tokens < min_tokens:
@@ -50,9 +51,12 @@ def auto_ladder(
     budgets = [min_tokens]
     while budgets[-1] < max_tokens:
         last = budgets[-1]
-        steps = finer[2] if finer is not None and finer[0] <= last < finer[1] else fine_steps
-        if fine_from is not None and steps > 1 and last >= fine_from:
-            octave = fine_from << ((last // fine_from).bit_length() - 1)  # fine_from * 2^k <= last
+        if finer is not None and finer[0] <= last < finer[1]:
+            base, steps = finer[0], finer[2]
+        else:
+            base, steps = fine_from, fine_steps
+        if base is not None and steps > 1 and last >= base:
+            octave = base << ((last // base).bit_length() - 1)  # base * 2^k <= last
             step = max(1, octave // steps)
         else:
             step = max(int(last * growth) - last, 1)

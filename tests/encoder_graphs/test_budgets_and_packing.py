@@ -82,6 +82,14 @@ def test_finer_range_takes_its_own_steps_per_doubling():
     assert build_ladder(GraphConfig(), 64, fine=False)[0] == auto_ladder(64, 8192)
 
 
+def test_finer_range_holds_below_the_fine_ladder_too():
+    # fine steps from 2048 only, or none at all: the range still takes its 16 steps
+    assert {1088, 1600, 2176, 3968} <= set(auto_ladder(64, 8192, 2.0, 2048, 8, (1024, 4096, 16)))
+    doubling_around = auto_ladder(64, 8192, 2.0, None, 1, (1024, 4096, 16))
+    assert doubling_around[:5] == (64, 128, 256, 512, 1024) and doubling_around[-2:] == (4096, 8192)
+    assert len(doubling_around) == 5 + 32 + 1
+
+
 @pytest.mark.parametrize("finer", [(4096, 1024, 16), (0, 1024, 16), (1024, 4096, 0)])
 def test_finer_range_config_errors_name_the_settings(finer):
     with pytest.raises(BudgetConfigError, match="finer_budget_range must be two budgets"):
