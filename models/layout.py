@@ -49,9 +49,8 @@ def padded_cu_seqlens(
     segments = list(lengths) + padding_chunks(sum(lengths), total, chunk, free, block)
     if len(segments) > capacity:
         raise PackCapacityError(f"{len(segments)} attention segments exceed the buffer's {capacity}")
-    offsets = torch.empty(capacity + 1, dtype=torch.int32)
+    offsets = torch.zeros(capacity + 1, dtype=torch.int32)  # a few hundred elements: no thread pool
     array = offsets.numpy()
-    array[0] = 0
     if segments:
         np.cumsum(segments, out=array[1 : len(segments) + 1])
     array[len(segments) + 1 :] = total
@@ -88,6 +87,8 @@ def padded_rows(
             run += 1
         rows = piece.shape[0]
         values = piece.numpy() if isinstance(piece, torch.Tensor) else piece
+        if tuple(values.shape[1:]) != tuple(row_shape):  # broadcasting would hide a wrong piece
+            raise ValueError(f"a piece of shape {tuple(values.shape)} does not have rows of shape {row_shape}")
         array[start : start + run * rows].reshape(run, rows, *row_shape)[:] = values
         start += run * rows
         index += run

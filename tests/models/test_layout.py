@@ -80,6 +80,11 @@ def test_padded_rows_copies_its_pieces_and_fills_the_rest():
     same = np.arange(6).reshape(3, 2)  # a run of one cached piece: one broadcast write
     grouped = padded_rows([same, same, np.zeros((1, 2), np.int64), same], 11, (2,), torch.int64, fill=-1)
     assert grouped.tolist() == [*same.tolist() * 2, [0, 0], *same.tolist(), [-1, -1]]
+    exact = padded_rows([same], 3, (2,), torch.int64)  # fills the buffer exactly: still a copy
+    exact[0, 0] = grouped[0, 0] = 99
+    assert same[0, 0] == 0
+    with pytest.raises(ValueError, match="rows of shape"):
+        padded_rows([np.zeros((3, 1))], 4, (2,), torch.float32)  # would broadcast into both columns
     vector = padded_rows([torch.tensor([3, 1]), torch.tensor([2])], 5, (), torch.int64, fill=7)
     assert vector.tolist() == [3, 1, 2, 7, 7]
     with pytest.raises(PackCapacityError, match="do not fit"):
