@@ -158,17 +158,24 @@ def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, refe
     handle = serve.get_deployment_handle("EncoderReplica", app_name="faults")
     victim = handle.describe.remote().result()["pid"]
     killed = asyncio.Event()
-    cpu_seen = [cpu_seconds(victim)]
+    probing = [False]
 
     async def kill_midway(index):
-        # From the 100th answer on, kill the victim as soon as it is seen computing (its CPU time
-        # moved since the last answer), so the kill hits packs in flight: a replica caught
-        # between packs retries nothing and the test would prove nothing. Kill anyway by 300.
-        if killed.is_set() or index < 100:
+        # From the 100th answer on, kill the victim as soon as it is seen computing, so the kill
+        # hits packs in flight: a replica caught between packs retries nothing and the test would
+        # prove nothing. Computing: its CPU time grows by >= 5 ms within 25 ms. (Growth since the
+        # last answer also counted its idle threads: once, with both cores loaded, the kill found
+        # no pack in flight.) Kill anyway by the 300th answer.
+        if killed.is_set() or index < 100 or probing[0]:
             return
-        used = cpu_seconds(victim)
-        busy, cpu_seen[0] = used > cpu_seen[0], used
-        if busy or index >= 300:
+        probing[0] = True
+        try:
+            before = cpu_seconds(victim)
+            await asyncio.sleep(0.025)
+            busy = cpu_seconds(victim) - before >= 0.005
+        finally:
+            probing[0] = False
+        if (busy or index >= 300) and not killed.is_set():
             os.kill(victim, signal.SIGKILL)
             killed.set()
 
