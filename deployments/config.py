@@ -106,10 +106,10 @@ class GraphSettings(_Strict):
 
     @model_validator(mode="after")
     def _finer_range_ascends(self) -> GraphSettings:
-        low, high = self.finer_budget_range or (1, 2)
-        if not 0 < low < high:
+        if self.finer_budget_range is not None and not 0 < self.finer_budget_range[0] < self.finer_budget_range[1]:
             raise ValueError(
-                f"finer_budget_range must be two budgets, the first > 0 and below the second; got {[low, high]}"
+                "finer_budget_range must be two budgets, the first > 0 and below the second; "
+                f"got {list(self.finer_budget_range)}"
             )
         return self
 
