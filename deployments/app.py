@@ -16,21 +16,24 @@ from __future__ import annotations
 
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
+from ray.serve.schema import LoggingConfig
 
 from .config import AppConfig
 from .encoder import EncoderReplica
 from .llm import LLMReplica
 from .router import EncoderRouter
 from .routing import FewestQueuedTokensRouter
+from .validation import validate
 
 ROUTING_STATS_PERIOD_S = 1.0
 
 
-def encoder_deployment(config: AppConfig):
+def encoder_deployment(config: AppConfig, logging_config: LoggingConfig):
     """The encoder replica deployment with defaults for its device (one GPU each on CUDA)."""
     resources = {"num_cpus": 1, "num_gpus": 1 if config.model.device == "cuda" else 0}
     return EncoderReplica.options(
         ray_actor_options=resources,
+        logging_config=logging_config,
         request_router_config=RequestRouterConfig(
             request_router_class=FewestQueuedTokensRouter,
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
@@ -38,11 +41,13 @@ def encoder_deployment(config: AppConfig):
     )
 
 
-def build_app(args: AppConfig) -> Application:
-    config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
-    encoder = encoder_deployment(config).bind(config)
+def build_app(args: dict) -> Application:
+    """Validate everything that can be checked now (one clear error, no replica started), then bind."""
+    config = validate(args)
+    logging_config = LoggingConfig(enable_access_log=config.router.log_requests)
+    encoder = encoder_deployment(config, logging_config).bind(config)
     llm = None
     if config.llm is not None:
         resources = {"num_cpus": 1, "num_gpus": 1 if config.llm.device == "cuda" else 0}
-        llm = LLMReplica.options(ray_actor_options=resources).bind(config)
-    return EncoderRouter.bind(config, encoder, llm)
+        llm = LLMReplica.options(ray_actor_options=resources, logging_config=logging_config).bind(config)
+    return EncoderRouter.options(logging_config=logging_config).bind(config, encoder, llm)

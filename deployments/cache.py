@@ -11,10 +11,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import OrderedDict
+from typing import Any
 
 import torch
-
-from models.protocol import ItemOutput
 
 
 def content_key(model_id: str, modality: str, pixels: torch.Tensor) -> bytes:
@@ -24,43 +23,49 @@ def content_key(model_id: str, modality: str, pixels: torch.Tensor) -> bytes:
     return digest.digest()
 
 
-def output_bytes(output: ItemOutput) -> int:
-    return output.tokens.nbytes + (0 if output.deepstack is None else output.deepstack.nbytes)
-
-
 class EmbeddingCache:
-    """LRU of item outputs whose total size never exceeds `max_bytes`."""
+    """LRU of encoded items (references into the encoder replicas' object stores) whose total size
+    never exceeds `max_bytes`. An entry made by a replica that died is dropped (`forget_replica`):
+    its objects went with it."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.bytes = 0
         self.hits = 0
         self.misses = 0
-        self._entries: OrderedDict[bytes, ItemOutput] = OrderedDict()
+        self._entries: OrderedDict[bytes, Any] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: bytes) -> ItemOutput | None:
-        output = self._entries.get(key)
-        if output is None:
+    def get(self, key: bytes):
+        value = self._entries.get(key)
+        if value is None:
             self.misses += 1
             return None
         self._entries.move_to_end(key)
         self.hits += 1
-        return output
+        return value
 
-    def put(self, key: bytes, output: ItemOutput) -> None:
-        size = output_bytes(output)
-        if size > self.max_bytes or key in self._entries:
+    def put(self, key: bytes, value) -> None:
+        """Store `value` (with `nbytes` and `replica` attributes), evicting least recently used ones."""
+        if value.nbytes > self.max_bytes or key in self._entries:
             return
-        # Own copies: an item's tensors may view its whole pack's buffer, which must not stay pinned.
-        output = ItemOutput(output.tokens.clone(), None if output.deepstack is None else output.deepstack.clone())
-        while self.bytes + size > self.max_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.bytes -= output_bytes(evicted)
-        self._entries[key] = output
-        self.bytes += size
+        while self.bytes + value.nbytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+        self._entries[key] = value
+        self.bytes += value.nbytes
+
+    def _drop(self, key: bytes) -> None:
+        self.bytes -= self._entries.pop(key).nbytes
+
+    def forget(self, key: bytes) -> None:
+        if key in self._entries:
+            self._drop(key)
+
+    def forget_replica(self, replica: str) -> None:
+        for key in [k for k, v in self._entries.items() if v.replica == replica]:
+            self._drop(key)
 
 
 class InflightTable:

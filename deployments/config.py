@@ -135,6 +135,25 @@ class RouterSettings(_Strict):
     cache_bytes: int = Field(
         256 * MiB, ge=0, description="Embedding cache size per router replica (0 turns the cache off)."
     )
+    decode_workers: int = Field(
+        4, gt=0, description="Decode worker processes per router replica (image and video parsing, resizing)."
+    )
+    decode_timeout_s: float = Field(
+        5.0, gt=0, description="Longest one item may take to inspect or decode; its worker is then killed (413)."
+    )
+    max_decode_queue: int = Field(
+        256, gt=0, description="Items waiting for a decode worker above which new requests get 503 at once."
+    )
+    body_timeout_s: float = Field(
+        10.0, gt=0, description="Longest a client may take to send its request body (408 after)."
+    )
+    packs_in_flight_per_replica: int = Field(
+        2,
+        gt=0,
+        description="Packs this router keeps in flight per encoder replica; the rest wait in the router, "
+        "where later requests join their packs.",
+    )
+    log_requests: bool = Field(False, description="Log one line per HTTP request (Serve's access log).")
 
 
 class Limits(_Strict):
@@ -150,6 +169,24 @@ class Limits(_Strict):
         40_000_000, gt=0, description="Largest width*height, read from the header before decoding."
     )
     max_video_frames: int = Field(256, gt=0, description="Most frames of one video (given or sampled).")
+    allowed_video_containers: list[Literal["mp4", "matroska", "avi"]] = Field(
+        ["mp4", "matroska", "avi"],
+        description="Video file containers accepted (mp4 includes mov; matroska includes webm). "
+        "No other FFmpeg demuxer or protocol is ever tried.",
+    )
+    max_video_decode_frames: int = Field(
+        4096, gt=0, description="Most frames decoded to reach a video file's last sampled frame (checked first)."
+    )
+    max_video_decode_pixels: int = Field(
+        2_000_000_000, gt=0, description="Most pixels decoded for one video file (frames decoded x frame size)."
+    )
+    max_jpeg_scans: int = Field(
+        100, gt=0, description="Most scans in a JPEG (progressive files have ~10; repeated scans decode slowly)."
+    )
+    jpeg_draft: bool = Field(
+        True,
+        description="Decode a JPEG at 1/2-1/8 scale when the model downscales it at least that much anyway.",
+    )
     max_tokens_per_item: int = Field(16384, gt=0, description="Most output tokens of one item.")
     max_tokens_per_request: int = Field(65536, gt=0, description="Most output tokens of one request.")
 
@@ -170,6 +207,16 @@ class LLMSettings(_Strict):
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where LLM replicas run.")
     seed: int = Field(0, description="Seed of the preset's random weights.")
     max_tokens: int = Field(512, gt=0, description="Largest max_tokens a request may ask for.")
+    max_prompt_tokens: int = Field(
+        8192, gt=0, description="Longest prompt (text and vision tokens) a chat request may have (413 above)."
+    )
+
+    @property
+    def model_id(self) -> str:
+        """The name chat clients use (`model`) and `/v1/models` lists."""
+        if self.path is not None:
+            return self.path
+        return self.preset if self.preset in PRESETS else f"{self.family}-{self.preset}"
 
     @model_validator(mode="after")
     def _check_preset(self) -> LLMSettings:

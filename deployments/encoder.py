@@ -39,9 +39,6 @@ class PackRequest:
     pixels: list[torch.Tensor]
     """uint8 resized items (`[3, h, w]` or `[T, 3, h, w]`), in pack order."""
     specs: list[ItemSpec]
-    as_refs: list[bool] | None = None
-    """Per item: return a Ray object reference (kept in this replica's object store) instead of
-    the tensors, so a downstream LLM replica can fetch it without a copy through the router."""
 
     @property
     def tokens(self) -> int:
@@ -50,13 +47,22 @@ class PackRequest:
 
 @dataclass
 class PackResult:
-    """An encoded pack: per-item outputs (tensors or object references) and where the time went."""
+    """An encoded pack: per-item references into this replica's object store, and where the time went."""
 
     outputs: list
+    """`ray.ObjectRef` of each item's `ItemOutput`, in pack order: callers, the router and the LLM
+    replica pass these along, and whoever needs the tensors reads them from here."""
+    item_bytes: list[int]
+    replica: str
+    """This replica's actor id (its objects are lost if it dies)."""
     queue_s: float
     """Waiting in the replica for the device."""
     forward_s: float
     """Normalize, patchify, encode and copy to host."""
+
+
+def output_bytes(output: ItemOutput) -> int:
+    return output.tokens.nbytes + (0 if output.deepstack is None else output.deepstack.nbytes)
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
@@ -93,6 +99,7 @@ class EncoderReplica:
         self._queued_tokens = 0
         self._inflight_tokens = 0
         self._stop_gauges = refresh_gauges(lambda: self.metrics.queued_tokens.set(self._queued_tokens))
+        self.actor_id = ray.get_runtime_context().get_actor_id()
         self.ready_s = time.perf_counter() - start
 
     async def encode_pack(self, pack: PackRequest) -> PackResult:
@@ -117,12 +124,20 @@ class EncoderReplica:
                 raise
             finally:
                 self._count(inflight=-pack.tokens)
-            result = PackResult(outputs, queue_s=started - arrived, forward_s=time.perf_counter() - started)
-            try:
-                self._observe(pack, result)
-            except Exception:  # metrics must never fail a pack
-                logger.exception("recording metrics failed")
-            return result
+            forward_s = time.perf_counter() - started
+        # Into this replica's object store, outside the device lock: the next pack may start.
+        result = PackResult(
+            [ray.put(out) for out in outputs],
+            [output_bytes(out) for out in outputs],
+            self.actor_id,
+            queue_s=started - arrived,
+            forward_s=forward_s,
+        )
+        try:
+            self._observe(pack, result)
+        except Exception:  # metrics must never fail a pack
+            logger.exception("recording metrics failed")
+        return result
 
     def _observe(self, pack: PackRequest, result: PackResult) -> None:
         metrics, report = self.metrics, self.runner.stats.last
@@ -151,9 +166,7 @@ class EncoderReplica:
         device = self.encoder.device
         pixel_values = self.encoder.preprocessor.pixel_values(pack.pixels, pack.modality, device=device)
         # One device-to-host copy for the whole pack; items are views of it.
-        outputs = self.runner.run(pixel_values.to(self.encoder.dtype), pack.specs, output_device="cpu")
-        as_refs = pack.as_refs or [False] * len(outputs)
-        return [ray.put(out) if as_ref else out for out, as_ref in zip(outputs, as_refs)]
+        return self.runner.run(pixel_values.to(self.encoder.dtype), pack.specs, output_device="cpu")
 
     def record_routing_stats(self) -> dict:
         return {"queued_tokens": self._queued_tokens + self._inflight_tokens}

@@ -7,25 +7,30 @@ object that actually serves requests: `request.app.state.router` (set by the rou
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from .errors import RequestError
 from .schemas import ErrorResponse
 
 logger = logging.getLogger("ray.serve")
 
-ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 413, 415, 500, 503, 504)}
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 408, 413, 415, 500, 503, 504)}
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for bodies over the router's `max_request_bytes`. A declared
-    Content-Length is refused before reading; otherwise (chunked) the body is read up to the
-    limit and refused as soon as it passes it. The router parses the whole body anyway, so
-    reading it here first holds no more than the limit."""
+    """ASGI middleware: the request body within `max_request_bytes` and `body_timeout_s`.
+
+    A declared Content-Length over the limit is refused before reading; otherwise the body is
+    read up to the limit (413 as soon as it passes it) and within the time limit (408: a slow
+    client must not hold a request slot). The router parses the whole body anyway, so reading
+    it here first holds no more than the limit. A client that leaves mid-upload is counted,
+    not logged as an error."""
 
     def __init__(self, app):
         self.app = app
@@ -34,19 +39,28 @@ class BodyLimit:
         router = getattr(scope.get("app").state, "router", None) if scope["type"] == "http" else None
         if router is None:
             return await self.app(scope, receive, send)
-        limit = router.config.limits.max_request_bytes
+        limits, settings = router.config.limits, router.config.router
         declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > limit:
-            return await _too_large(router, send, f"request body of {int(declared)} bytes", limit)
+        if declared.isdigit() and int(declared) > limits.max_request_bytes:
+            what = f"request body of {int(declared)} bytes exceeds max_request_bytes={limits.max_request_bytes}"
+            return await _refuse(router, send, RequestError(413, what))
         chunks, received, more = [], 0, True
+        deadline = asyncio.get_running_loop().time() + settings.body_timeout_s
         while more:
-            message = await receive()
+            remaining = deadline - asyncio.get_running_loop().time()
+            try:
+                message = await asyncio.wait_for(receive(), max(remaining, 0.001))
+            except asyncio.TimeoutError:
+                error = RequestError(408, f"request body not received within body_timeout_s={settings.body_timeout_s}")
+                return await _refuse(router, send, error)
             if message["type"] != "http.request":
-                return  # the client went away
+                router.count_rejection(499)  # the client went away
+                return
             chunks.append(message.get("body", b""))
             received += len(chunks[-1])
-            if received > limit:
-                return await _too_large(router, send, f"request body of more than {limit} bytes", limit)
+            if received > limits.max_request_bytes:
+                what = f"request body of more than {limits.max_request_bytes} bytes exceeds max_request_bytes"
+                return await _refuse(router, send, RequestError(413, f"{what}={limits.max_request_bytes}"))
             more = message.get("more_body", False)
         replayed = False
 
@@ -60,10 +74,9 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
-async def _too_large(router, send, what: str, limit: int) -> None:
-    router.count_rejection(413)
-    error = RequestError(413, f"{what} exceeds max_request_bytes={limit}")
-    await JSONResponse(error.body(), status_code=413)({"type": "http"}, None, send)
+async def _refuse(router, send, error: RequestError) -> None:
+    router.count_rejection(error.status)
+    await JSONResponse(error.body(), status_code=error.status)({"type": "http"}, None, send)
 
 
 def create_api() -> FastAPI:
@@ -75,8 +88,19 @@ def create_api() -> FastAPI:
     api.add_middleware(BodyLimit)
     api.add_exception_handler(RequestError, _request_error)
     api.add_exception_handler(RequestValidationError, _validation_error)
+    api.add_exception_handler(HTTPException, _http_error)
     api.add_exception_handler(Exception, _unexpected_error)
     return api
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """The framework's own errors (unknown path, wrong method, unreadable body) in our shape."""
+    _count(request, exc.status_code)
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return JSONResponse(
+        RequestError(exc.status_code, message, error_type=kind).body(), status_code=exc.status_code, headers=exc.headers
+    )
 
 
 def _count(request: Request, status: int) -> None:

@@ -29,6 +29,7 @@ from models.tiny_checkpoint import build_tokenizer
 
 from .config import AppConfig, LLMSettings
 from .encoder import resolve_dtype
+from .errors import RequestError
 
 logger = logging.getLogger("ray.serve")
 
@@ -142,6 +143,9 @@ class LLMReplica:
         self.pad = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
         self._lock = threading.Lock()
         self.handoff_totals = {"images": 0, "bytes": 0, "ms": 0.0}
+        self.max_prompt_tokens = settings.max_prompt_tokens
+        self.cancelled = 0
+        """Generations stopped because their request went away (timed out or disconnected)."""
 
     async def _fetch(self, request: GenerateRequest) -> tuple[list[ItemOutput], dict]:
         start = time.perf_counter()
@@ -156,6 +160,13 @@ class LLMReplica:
         text = self.tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
         counts = [t * h * w // self.merge_unit for t, h, w in request.grids]
         ids = torch.tensor([self.tokenizer(expand_image_pads(text, self.pad, counts))["input_ids"]])
+        if ids.shape[1] > self.max_prompt_tokens:
+            raise RequestError(
+                413,
+                f"prompt of {ids.shape[1]} tokens (vision tokens included) exceeds "
+                f"llm.max_prompt_tokens={self.max_prompt_tokens}",
+                param="messages",
+            )
         types = (ids == self.image_token_id).long() + 2 * (ids == self.video_token_id).long()
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": types}
         if request.grids:
@@ -200,6 +211,7 @@ class LLMReplica:
             prompt, new = await asyncio.to_thread(self._generate, request, items, None, cancelled)
         except asyncio.CancelledError:  # the caller went away: stop generating, free the model
             cancelled.set()
+            self.cancelled += 1
             raise
         ids = new.tolist()
         eos = self.tokenizer.convert_tokens_to_ids(self.tokenizer.eos_token)
@@ -272,4 +284,5 @@ class LLMReplica:
             "handoff_images": self.handoff_totals["images"],
             "handoff_bytes_per_image": self.handoff_totals["bytes"] / images,
             "handoff_ms_per_image": self.handoff_totals["ms"] / images,
+            "cancelled_generations": self.cancelled,
         }

@@ -1,32 +1,59 @@
-"""Decoding images and videos on the router, with limits checked before anything large is allocated.
+"""One item's way from request bytes to resized uint8 pixels, in two steps run by decode workers.
 
-Order of checks for each item: encoded bytes, then (from the header, before decoding)
-format and pixels, then frames, then output tokens (from the processor's resize rule).
-Pixels are decoded only after all of them pass. Decoding follows what transformers'
-`load_image` does: EXIF orientation applied, transparency composited on white.
+`inspect` reads headers only and checks every per-item limit (bytes, format, pixels, frames,
+decode cost, output tokens); the router then checks the request as a whole (tokens, queue
+room) before `decode` allocates any pixels. Both run in the decode pool's worker processes
+(`decode_pool.py`), never in the router: a parser is the part of the service that untrusted
+bytes reach, and a worker that hangs or runs away can be killed.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 from transformers.video_utils import VideoMetadata
 
 from models.processing import InvalidItemError, VisionPreprocessor
 from models.protocol import ItemSpec
 
+from . import images, video
 from .config import Limits
 from .errors import RequestError, item_error
 
-# Our own pixel limit (`max_image_pixels`) is checked from the header right after `Image.open`,
-# which reads only the header; Pillow's check would fire first with a less useful error.
-Image.MAX_IMAGE_PIXELS = None
+ROTATING_ORIENTATIONS = (5, 6, 7, 8)
+"""EXIF orientations that swap width and height."""
+
+EXIF_IN_HEADER = ("JPEG", "MPO", "TIFF", "WEBP")
+
+Kind = Literal["image", "frames", "video"]
+
+
+@dataclass
+class RawItem:
+    """An item as the request carried it: base64 text (HTTP), bytes, or a PIL image (handle)."""
+
+    index: int
+    kind: Kind
+    data: Any
+    """str | bytes | PIL.Image for "image" and "video"; a list of those for "frames"."""
+
+
+@dataclass
+class Inspection:
+    """What the headers said, with every per-item limit checked; no pixels allocated yet."""
+
+    spec: ItemSpec
+    data: Any
+    """The item's bytes (base64 decoded) or PIL images, handed back to `decode`."""
+    source_pixels: int = 0
+    """Pixels decoding will produce (the decode pool schedules by it)."""
+    probe: video.VideoProbe | None = None
+    frame_indices: list[int] | None = None
+    """A video file's frames to keep (the model's own sampling)."""
 
 
 @dataclass
@@ -34,67 +61,19 @@ class DecodedItem:
     """One item after decoding and resizing: what travels to an encoder replica."""
 
     pixels: torch.Tensor
-    """uint8 `[3, h, w]` (image) or `[T, 3, h, w]` (video), already resized by the processor's rule."""
+    """uint8 `[3, h, w]` (image) or `[T, 3, h, w]` (video), resized by the processor's rule."""
     spec: ItemSpec
-    key: bytes | None = None
+    key: bytes | None = field(default=None)
     """Content hash for the cache and in-flight dedup (None: the request opted out)."""
 
 
-def decode_base64(data: str, index: int, limits: Limits) -> bytes:
-    """Bytes of a base64 string (a `data:` URL prefix and line breaks are accepted), size checked first."""
-    if data.startswith("data:"):
-        data = data.partition(",")[2]
-    if any(c in data for c in " \r\n\t"):
-        data = "".join(data.split())
-    size = len(data) * 3 // 4 - (len(data) - len(data.rstrip("=")))
-    if size > limits.max_item_bytes:
-        raise item_error(index, 413, f"decoded size {size} bytes exceeds max_item_bytes={limits.max_item_bytes}")
-    try:
-        return base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise item_error(index, 400, "is not valid base64") from None
-
-
-def open_image(data: bytes, index: int, limits: Limits) -> Image.Image:
-    """A lazily opened image whose bytes, format and header pixels are within limits."""
-    if not data:
-        raise item_error(index, 400, "is empty (0 bytes)")
-    if len(data) > limits.max_item_bytes:
-        raise item_error(index, 413, f"{len(data)} bytes exceeds max_item_bytes={limits.max_item_bytes}")
-    try:
-        image = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, OSError, ValueError):
-        raise item_error(index, 400, "is not a decodable image") from None
-    if image.format not in limits.allowed_image_formats:
-        raise item_error(
-            index, 415, f"format {image.format} is not in allowed_image_formats={limits.allowed_image_formats}"
-        )
-    width, height = image.size
-    if width * height > limits.max_image_pixels:
-        raise item_error(
-            index, 413, f"{width}x{height} = {width * height} pixels exceeds max_image_pixels={limits.max_image_pixels}"
-        )
-    if width == 0 or height == 0:
-        raise item_error(index, 400, f"has zero size ({width}x{height})")
-    return image
-
-
-def to_rgb_tensor(image: Image.Image, index: int) -> torch.Tensor:
-    """Decode to `[3, H, W]` uint8 RGB: EXIF-rotated, alpha on white, 16-bit scaled to 8."""
-    try:
-        image.seek(0)  # animated images: the first frame
-        image = ImageOps.exif_transpose(image)
-        if image.mode in ("I;16", "I;16B", "I;16L", "I"):
-            array = np.asarray(image, dtype=np.uint32)
-            scale = 257 if image.mode != "I" or array.max() > 255 else 1
-            image = Image.fromarray((array // scale).clip(0, 255).astype(np.uint8), mode="L")
-        if "A" in image.getbands() or "transparency" in image.info:
-            rgba = image.convert("RGBA")
-            image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
-        array = np.asarray(image.convert("RGB"))
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
-        raise item_error(index, 400, "is truncated or corrupt and cannot be decoded") from None
-    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+def _bytes(data: Any, index: int, limits: Limits) -> Any:
+    if isinstance(data, str):
+        data = images.decode_base64(data, index, limits)
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        data = bytes(data)
+        images.check_item_bytes(data, index, limits)
+    return data
 
 
 def check_spec(spec_fn, index: int, limits: Limits) -> ItemSpec:
@@ -110,81 +89,39 @@ def check_spec(spec_fn, index: int, limits: Limits) -> ItemSpec:
     return spec
 
 
-@dataclass
-class InspectedItem:
-    """An item whose limits were checked from headers alone; `decode` allocates its pixels."""
-
-    index: int
-    modality: str
-    images: list[Image.Image]
-    spec: ItemSpec
-    video: bytes | None = None
-    """An encoded video file (decoded with PyAV); `frame_indices` are the frames to keep."""
-    frame_indices: list[int] | None = None
-
-
-def inspect_image(data: bytes, index: int, limits: Limits, pre: VisionPreprocessor) -> InspectedItem:
-    image = open_image(data, index, limits)
+def _upright_size(image: Image.Image) -> tuple[int, int]:
+    """(height, width) after EXIF rotation, from the header. Only formats whose EXIF sits in the
+    header are asked (a PNG's may follow its pixels, and reading it would decode them); the spec
+    is recomputed after decoding anyway, and the token count is the same either way round."""
     width, height = image.size
-    spec = check_spec(lambda: pre.image_spec(height, width), index, limits)
-    return InspectedItem(index, "image", [image], spec)
+    try:
+        orientation = image.getexif().get(0x0112) if image.format in EXIF_IN_HEADER else None
+    except Exception:  # a malformed EXIF block: decoding will say so
+        orientation = None
+    return (width, height) if orientation in ROTATING_ORIENTATIONS else (height, width)
 
 
-def check_pil_pixels(image: Image.Image, index: int, limits: Limits) -> None:
-    width, height = image.size
-    if width * height > limits.max_image_pixels:
-        raise item_error(
-            index, 413, f"{width}x{height} = {width * height} pixels exceeds max_image_pixels={limits.max_image_pixels}"
-        )
+def _opened(data: Any, index: int, limits: Limits) -> Image.Image:
+    if isinstance(data, Image.Image):
+        images.check_pixels(*data.size, index, limits)
+        return data
+    return images.open_image(data, index, limits)
 
 
-def inspect_pil(image: Image.Image, index: int, limits: Limits, pre: VisionPreprocessor) -> InspectedItem:
-    """An already decoded PIL image (from the Python handle): pixel and token limits only."""
-    width, height = image.size
-    if width * height > limits.max_image_pixels:
-        raise item_error(
-            index, 413, f"{width}x{height} = {width * height} pixels exceeds max_image_pixels={limits.max_image_pixels}"
-        )
-    spec = check_spec(lambda: pre.image_spec(height, width), index, limits)
-    return InspectedItem(index, "image", [image], spec)
-
-
-def inspect_frames(frames: list[bytes], index: int, limits: Limits, pre: VisionPreprocessor) -> InspectedItem:
-    """A video given as encoded frames (all the same size)."""
+def _inspect_frames(frames: list, index: int, limits: Limits, pre: VisionPreprocessor) -> Inspection:
     if not frames:
         raise item_error(index, 400, "video has no frames")
     if len(frames) > limits.max_video_frames:
         raise item_error(index, 413, f"{len(frames)} frames exceeds max_video_frames={limits.max_video_frames}")
-    if sum(len(f) for f in frames if isinstance(f, (bytes, bytearray))) > limits.max_item_bytes:
+    frames = [_bytes(f, index, limits) for f in frames]
+    if sum(len(f) for f in frames if isinstance(f, bytes)) > limits.max_item_bytes:
         raise item_error(index, 413, f"frames total more than max_item_bytes={limits.max_item_bytes}")
-    images = [f if isinstance(f, Image.Image) else open_image(bytes(f), index, limits) for f in frames]
-    for image in images:
-        check_pil_pixels(image, index, limits)
-    sizes = {image.size for image in images}
+    sizes = {_upright_size(_opened(f, index, limits)) for f in frames}
     if len(sizes) != 1:
-        raise item_error(index, 400, f"video frames differ in size: {sorted(sizes)}")
-    width, height = images[0].size
-    spec = check_spec(lambda: pre.video_spec(len(images), height, width), index, limits)
-    return InspectedItem(index, "video", images, spec)
-
-
-def _video_frame_count(data: bytes, index: int) -> tuple[int, float, int, int]:
-    """(frames, fps, width, height) from the container, counting packets (no decoding)."""
-    import av  # only video files need PyAV
-
-    try:
-        with av.open(io.BytesIO(data)) as container:
-            if not container.streams.video:
-                raise item_error(index, 400, "video file has no video stream")
-            stream = container.streams.video[0]
-            fps = float(stream.average_rate or stream.guessed_rate or 0) or 1.0
-            width, height = stream.codec_context.width, stream.codec_context.height
-            frames = sum(1 for packet in container.demux(stream) if packet.size)
-    except av.FFmpegError:
-        raise item_error(index, 400, "is not a decodable video file") from None
-    if frames == 0:
-        raise item_error(index, 400, "video file has no frames")
-    return frames, fps, width, height
+        raise item_error(index, 400, f"video frames differ in size: {sorted((w, h) for h, w in sizes)}")
+    height, width = sizes.pop()
+    spec = check_spec(lambda: pre.video_spec(len(frames), height, width), index, limits)
+    return Inspection(spec, frames, source_pixels=len(frames) * height * width)
 
 
 def sample_frame_indices(pre: VisionPreprocessor, frames: int, fps: float) -> list[int]:
@@ -199,68 +136,74 @@ def sample_frame_indices(pre: VisionPreprocessor, frames: int, fps: float) -> li
     return sorted({int(i) for i in indices}) or list(range(frames))
 
 
-def inspect_video(data: bytes, index: int, limits: Limits, pre: VisionPreprocessor) -> InspectedItem:
-    """An encoded video file: container header and packet count only; frames sampled as the model does."""
-    if not data:
-        raise item_error(index, 400, "is empty (0 bytes)")
-    if len(data) > limits.max_item_bytes:
-        raise item_error(index, 413, f"{len(data)} bytes exceeds max_item_bytes={limits.max_item_bytes}")
-    frames, fps, width, height = _video_frame_count(data, index)
-    if width * height > limits.max_image_pixels:
-        raise item_error(
-            index,
-            413,
-            f"frames of {width}x{height} = {width * height} pixels exceed max_image_pixels={limits.max_image_pixels}",
-        )
-    indices = sample_frame_indices(pre, frames, fps)
+def _inspect_video(data: bytes, index: int, limits: Limits, pre: VisionPreprocessor) -> Inspection:
+    found = video.probe(data, index, limits)
+    images.check_pixels(found.width, found.height, index, limits, what="frames of ")
+    indices = sample_frame_indices(pre, found.frames, found.fps)
     if len(indices) > limits.max_video_frames:
         raise item_error(
             index, 413, f"{len(indices)} sampled frames exceeds max_video_frames={limits.max_video_frames}"
         )
-    spec = check_spec(lambda: pre.video_spec(len(indices), height, width), index, limits)
-    return InspectedItem(index, "video", [], spec, video=data, frame_indices=indices)
+    video.check_decode_cost(found, indices[-1], index, limits)
+    spec = check_spec(lambda: pre.video_spec(len(indices), found.height, found.width), index, limits)
+    pixels = (indices[-1] + 1) * found.width * found.height
+    return Inspection(spec, data, pixels, found, indices)
 
 
-def decode_video_frames(item: InspectedItem) -> list[torch.Tensor]:
-    """The sampled frames as `[3, H, W]` uint8 tensors, decoding no further than the last one."""
-    import av
+def inspect(raw: RawItem, limits: Limits, pre: VisionPreprocessor) -> Inspection:
+    """Headers only: every per-item limit, in order (bytes, format, pixels, frames, cost, tokens)."""
+    if raw.kind == "frames":
+        return _inspect_frames(raw.data, raw.index, limits, pre)
+    data = _bytes(raw.data, raw.index, limits)
+    if raw.kind == "video":
+        return _inspect_video(data, raw.index, limits, pre)
+    height, width = _upright_size(_opened(data, raw.index, limits))
+    spec = check_spec(lambda: pre.image_spec(height, width), raw.index, limits)
+    return Inspection(spec, data, source_pixels=height * width)
 
-    wanted, frames = set(item.frame_indices), []
+
+def _image_array(data: Any, index: int, limits: Limits, pre: VisionPreprocessor) -> np.ndarray:
+    image = _opened(data, index, limits)
+    if limits.jpeg_draft:
+        upright = _upright_size(image)
+        target = pre.resized_image_size(*upright)
+        if upright != image.size[::-1]:  # EXIF rotation swaps the sides; the draft is taken before it
+            target = target[::-1]
+        images.draft_for(image, target)
+    return images.to_rgb_array(image, index)
+
+
+def decode(raw: RawItem, found: Inspection, limits: Limits, pre: VisionPreprocessor) -> DecodedItem:
+    """Decode and resize an inspected item (the processor's own resize); the spec is recomputed
+    from the decoded size, which a JPEG draft or EXIF rotation may change."""
+    index = raw.index
+    if found.probe is not None:
+        arrays = video.decode_frames(found.data, found.probe, found.frame_indices, index, limits)
+    elif raw.kind == "frames":
+        arrays = [images.to_rgb_array(_opened(f, index, limits), index) for f in found.data]
+    else:
+        arrays = [_image_array(found.data, index, limits, pre)]
+    if len({a.shape for a in arrays}) != 1:
+        raise item_error(index, 400, "video frames differ in size after EXIF rotation")
+    tensors = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2)
+    height, width = tensors.shape[-2:]
     try:
-        with av.open(io.BytesIO(item.video)) as container:
-            for number, frame in enumerate(container.decode(video=0)):
-                if number in wanted:
-                    frames.append(torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1).contiguous())
-                if number >= item.frame_indices[-1]:
-                    break
-    except av.FFmpegError:
-        raise item_error(item.index, 400, "video is truncated or corrupt and cannot be decoded") from None
-    if len(frames) != len(wanted):
-        raise item_error(item.index, 400, f"video has {len(frames)} decodable frames of the {len(wanted)} sampled")
-    return frames
+        if found.spec.modality == "image":
+            spec = check_spec(lambda: pre.image_spec(height, width), index, limits)
+            return DecodedItem(pre.resize_image(tensors[0].contiguous()).contiguous(), spec)
+        spec = check_spec(lambda: pre.video_spec(len(arrays), height, width), index, limits)
+        return DecodedItem(pre.resize_video(tensors.contiguous()).contiguous(), spec)
+    except RequestError:
+        raise
+    except (RuntimeError, ValueError) as error:  # resizing a degenerate decode result
+        raise item_error(index, 400, f"cannot be resized for the model: {error}") from None
 
 
-def check_request_tokens(items: list[InspectedItem], limits: Limits) -> None:
-    tokens = sum(item.spec.output_tokens for item in items)
+def check_request_tokens(specs: list[ItemSpec], limits: Limits) -> None:
+    tokens = sum(spec.output_tokens for spec in specs)
     if tokens > limits.max_tokens_per_request:
         raise RequestError(
             413,
             f"request needs {tokens} output tokens, over max_tokens_per_request={limits.max_tokens_per_request}",
             param="items",
         )
-
-
-def decode(item: InspectedItem, limits: Limits, pre: VisionPreprocessor) -> DecodedItem:
-    """Decode and resize an inspected item (CPU work: run it off the event loop)."""
-    if item.video is not None:
-        tensors = decode_video_frames(item)
-    else:
-        tensors = [to_rgb_tensor(image, item.index) for image in item.images]
-    if len({tuple(t.shape) for t in tensors}) != 1:
-        raise item_error(item.index, 400, "video frames differ in size after EXIF rotation")
-    height, width = tensors[0].shape[-2:]
-    if item.modality == "image":  # EXIF rotation may swap the sides
-        spec = check_spec(lambda: pre.image_spec(height, width), item.index, limits)
-        return DecodedItem(pre.resize_image(tensors[0]), spec)
-    spec = check_spec(lambda: pre.video_spec(len(tensors), height, width), item.index, limits)
-    return DecodedItem(pre.resize_video(torch.stack(tensors)), spec)

@@ -39,8 +39,6 @@ class QueuedItem:
     request_id: str
     future: asyncio.Future
     enqueued_at: float = field(default_factory=time.monotonic)
-    as_ref: bool = False
-    """Deliver the output as a Ray object reference held by the encoder replica (E/PD)."""
 
 
 @dataclass
@@ -60,6 +58,8 @@ class PackStats:
     split_packs: int = 0
     """Failed packs rerun item by item, so a failing item fails only its own request."""
     max_requests_in_a_pack: int = 0
+    held_for_room: int = 0
+    """Times a closed pack waited because every encoder slot was taken (it grows meanwhile)."""
 
     def record(self, items: Sequence[QueuedItem], budget: int | None) -> None:
         requests = len({item.request_id for item in items})
@@ -83,6 +83,7 @@ class PackStats:
             "failed_packs": self.failed_packs,
             "retried_packs": self.retried_packs,
             "split_packs": self.split_packs,
+            "held_for_room": self.held_for_room,
         }
 
 
@@ -115,6 +116,7 @@ class PackScheduler:
         retryable: Callable[[Exception], bool] = never_retry,
         final_error: Callable[[Exception, bool], Exception] = lambda error, retried: error,
         on_pack: Callable[[list[QueuedItem], int | None], None] | None = None,
+        max_inflight_packs: Callable[[], int] | None = None,
     ):
         self.ladder = tuple(ladder)
         self.max_items = max_items
@@ -127,6 +129,7 @@ class PackScheduler:
         self._retryable = retryable
         self._final_error = final_error
         self._on_pack = on_pack
+        self._max_inflight = max_inflight_packs
         self._queue: list[QueuedItem] = []
         self._wake = asyncio.Event()
         self._inflight_tokens = 0
@@ -186,13 +189,20 @@ class PackScheduler:
         for pack in pack_items(queue, self.ladder, self.max_items, self.max_segments):
             items = [by_key[p.key] for p in pack.items]
             deadline = min(item.enqueued_at for item in items) + self.max_wait_s
-            if self._closed(pack, items) or deadline <= now:
+            if not (self._closed(pack, items) or deadline <= now):
+                next_deadline = deadline if next_deadline is None else min(next_deadline, deadline)
+            elif self._has_room():
                 sent.update(id(item) for item in items)
                 self._send(pack.modality, items, pack.token_budget)
-            else:
-                next_deadline = deadline if next_deadline is None else min(next_deadline, deadline)
+            else:  # every replica slot is taken: items wait here, where later ones join their packs
+                self.stats.held_for_room += 1
+                next_deadline = None
+                break
         self._queue = [item for item in live if id(item) not in sent]
         return None if next_deadline is None else max(0.0, next_deadline - now)
+
+    def _has_room(self) -> bool:
+        return self._max_inflight is None or len(self._tasks) < self._max_inflight()
 
     def _closed(self, pack, items: list[QueuedItem]) -> bool:
         segments = sum(item.spec.grid_thw[0] for item in items)
@@ -211,7 +221,11 @@ class PackScheduler:
         self._inflight_tokens += tokens
         task = _detached_task(self._deliver(modality, items, tokens))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self._wake.set()  # a slot is free: held packs may go
 
     async def _deliver(self, modality: str, items: list[QueuedItem], tokens: int) -> None:
         try:

@@ -27,8 +27,13 @@ Item = Annotated[Union[ImageItem, VideoItem], Field(discriminator="type")]
 
 class EncodeRequest(_Body):
     items: list[Item] = Field(min_length=1, description="Images and videos to encode, answered in this order.")
-    encoding_format: Literal["base64", "float"] = Field(
-        "base64", description="base64: little-endian float32 bytes; float: nested lists."
+    encoding_format: Literal["safetensors", "base64", "float"] = Field(
+        "base64",
+        description="safetensors: application/octet-stream, one tensor per item output in `dtype`; "
+        "base64: JSON, little-endian float32 bytes; float: JSON, nested lists.",
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
+        None, description="safetensors only: the tensors' dtype (default: the model's)."
     )
     cache: bool = Field(True, description="Use the embedding cache and in-flight dedup for these items.")
 

@@ -51,3 +51,9 @@ def encode_file(image: Image.Image, fmt: str = "PNG", **save_args) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format=fmt, **save_args)
     return buffer.getvalue()
+
+
+def model_detail(client, base_url: str, timeout: float = 30) -> dict:
+    """The encoder's detail (`/v1/models/{id}`): replicas, router stats, one replica's description."""
+    model_id = client.get(base_url + "/v1/models", timeout=timeout).json()["data"][0]["id"]
+    return client.get(f"{base_url}/v1/models/{model_id}", timeout=timeout).json()["encoder"]

@@ -59,10 +59,12 @@ class ServeHarness:
         name: str | None = None,
         route_prefix: str | None = None,
         deployments: dict[str, dict] | None = None,
+        wait: bool = True,
         **overrides,
     ) -> str:
         """Deploy the YAML's (first) application; returns its base URL. `overrides` merge into its
-        `args`; `deployments` merges Serve options into its `deployments:` entries by name."""
+        `args`; `deployments` merges Serve options into its `deployments:` entries by name.
+        `wait=False`: return at once (for applications that are meant to fail)."""
         config = yaml.safe_load((ROOT / yaml_path).read_text())
         app = dict(config["applications"][0])
         app["name"] = name or app["name"]
@@ -77,8 +79,17 @@ class ServeHarness:
                 applications=list(self.apps.values()), http_options=self.http_options, proxy_location="HeadOnly"
             )
             self.client.deploy_apps(deploy, _blocking=False)
-        self.wait_running(schema.name, self.deploy_timeout_s)
+        if wait:
+            self.wait_running(schema.name, self.deploy_timeout_s)
         return self.base_url + (schema.route_prefix.rstrip("/") if schema.route_prefix != "/" else "")
+
+    def remove(self, name: str) -> None:
+        """Delete an application (and stop redeploying it with the others)."""
+        if self.apps.pop(name, None) is not None:  # the declarative config without it deletes it
+            deploy = ServeDeploySchema(
+                applications=list(self.apps.values()), http_options=self.http_options, proxy_location="HeadOnly"
+            )
+            self.client.deploy_apps(deploy, _blocking=False)
 
     def wait_running(self, name: str, timeout_s: float = 180) -> None:
         deadline = time.monotonic() + timeout_s

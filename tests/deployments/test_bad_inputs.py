@@ -22,7 +22,7 @@ from PIL import Image
 from deployments.config import Limits
 from models import from_preset
 from tests.deployments.media_helpers import b64, decode_embedding, image_file, pattern, reference_image
-from tests.helpers import reference_tower, relative_error
+from tests.helpers import model_detail, reference_tower, relative_error
 
 TOLERANCE = 1e-4
 DEFAULT_FORMATS = Limits().allowed_image_formats
@@ -587,7 +587,7 @@ def test_a_request_refused_while_decoding_is_counted_and_leaves_nothing_queued(u
     """The truncated item passes the header checks (so the request's tokens were counted) and fails to decode."""
 
     def router_stats():
-        return client.get(urls["default"] + "/v1/models").json()["data"][0]["router"]
+        return model_detail(client, urls["default"])["router"]
 
     before = router_stats()["rejected"].get("invalid", 0)
     assert_error(post(client, urls["default"], second(image(png(64, 64)[:-100]))), 400, "items[1]")

@@ -7,26 +7,30 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from ray import serve
 
-from deployments.cache import EmbeddingCache, output_bytes
-from models.protocol import ItemOutput
+from deployments.cache import EmbeddingCache
+from deployments.encode_queue import Encoded
 from tests.deployments.media_helpers import b64, decode_embedding, image_file, pattern
-
-
-def output(tokens: int, hidden: int = 8) -> ItemOutput:
-    return ItemOutput(torch.randn(tokens, hidden), torch.randn(2, tokens, hidden))
+from tests.helpers import model_detail
 
 
 def test_the_byte_bound_holds_and_least_recent_goes_first():
-    cache = EmbeddingCache(max_bytes=3 * output_bytes(output(10)))
+    cache = EmbeddingCache(max_bytes=300)
     for key in (b"a", b"b", b"c"):
-        cache.put(key, output(10))
+        cache.put(key, Encoded(key, 100, "r1"))
     assert cache.get(b"a") is not None  # a is now the most recent
-    cache.put(b"d", output(10))
+    cache.put(b"d", Encoded(b"d", 100, "r1"))
     assert cache.get(b"b") is None and cache.get(b"a") is not None and cache.get(b"d") is not None
-    assert cache.bytes <= cache.max_bytes and len(cache) == 3
-    cache.put(b"huge", output(1000))  # larger than the whole cache: not stored, nothing evicted
+    assert cache.bytes == 300 and len(cache) == 3
+    cache.put(b"huge", Encoded(b"huge", 301, "r1"))  # larger than the whole cache: not stored, nothing evicted
     assert cache.get(b"huge") is None and len(cache) == 3
-    assert cache.bytes == sum(output_bytes(o) for o in cache._entries.values())
+
+
+def test_entries_of_a_dead_replica_are_dropped():
+    cache = EmbeddingCache(max_bytes=1000)
+    cache.put(b"a", Encoded(b"a", 100, "dead"))
+    cache.put(b"b", Encoded(b"b", 100, "alive"))
+    cache.forget_replica("dead")
+    assert cache.get(b"a") is None and cache.get(b"b") is not None and cache.bytes == 100
 
 
 def encoded_items() -> int:
@@ -55,7 +59,7 @@ def test_20_concurrent_identical_requests_cause_one_encode(serve_harness):
     before = encoded_items()
     with serve_harness.http() as client, ThreadPoolExecutor(20) as pool:
         replies = list(pool.map(lambda _: client.post(url + "/v1/encode", json=body), range(20)))
-        cache = client.get(url + "/v1/models").json()["data"][0]["router"]["cache"]
+        cache = model_detail(client, url)["router"]["cache"]
     assert all(r.status_code == 200 for r in replies)
     assert len({r.json()["data"][0]["embedding"] for r in replies}) == 1
     assert encoded_items() == before + 1

@@ -21,7 +21,7 @@ from tests.deployments.media_helpers import (
     reference_image,
     reference_video,
 )
-from tests.helpers import reference_tower, relative_error
+from tests.helpers import model_detail, reference_tower, relative_error
 from tests.serve_harness import ROOT
 
 TOLERANCE = 1e-4
@@ -117,7 +117,7 @@ def test_64_concurrent_requests_get_their_own_items(url, reference, serve_harnes
 
         with ThreadPoolExecutor(64) as pool:
             responses = list(pool.map(send, requests))
-        stats = client.get(url + "/v1/models").json()["data"][0]["router"]["packs"]
+        stats = model_detail(client, url)["router"]["packs"]
     for files, response in zip(requests, responses):
         assert response.status_code == 200, response.text
         for data, entry in zip(files, response.json()["data"]):
@@ -193,11 +193,17 @@ def test_bad_requests_get_4xx_naming_the_item_and_good_ones_still_work(url, serv
 
 def test_health_models_and_docs(url, serve_harness):
     with serve_harness.http() as client:
-        assert client.get(url + "/health").json() == {"status": "ok"}
-        model = client.get(url + "/v1/models").json()["data"][0]
-        assert model["id"] == "qwen3-vl-tiny" and model["family"] == "qwen3-vl"
-        assert model["budgets"][-1] == LOCAL["args"]["graphs"]["max_budget_tokens"]
-        assert model["encoder_replicas"] == {"RUNNING": 1}
+        assert client.get(url + "/health").json() == {"status": "ok", "encoder_replicas": 1}
+        models = client.get(url + "/v1/models").json()
+        assert models == {
+            "object": "list",
+            "data": [{"id": "qwen3-vl-tiny", "object": "model", "owned_by": "vlm-encoder-serve"}],
+        }
+        detail = model_detail(client, url)
+        assert detail["family"] == "qwen3-vl" and detail["replicas"] == {"RUNNING": 1}
+        assert detail["budgets"][-1] == LOCAL["args"]["graphs"]["max_budget_tokens"]
+        unknown = client.get(url + "/v1/models/gpt-4o")
+        assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
         assert client.get(url + "/docs").status_code == 200
         assert "/v1/encode" in client.get(url + "/openapi.json").json()["paths"]
 
@@ -212,7 +218,7 @@ def test_models_does_not_wait_on_a_saturated_encoder(url, serve_harness):
     from deployments.router import DESCRIBE_TIMEOUT_S, EncoderRouter
 
     with serve_harness.http() as client:
-        fresh = client.get(url + "/v1/models").json()["data"][0]["encoder"]
+        fresh = model_detail(client, url)["replica"]
     assert "stale_s" not in fresh and fresh["stats"]["packs"] >= 0
 
     class Queued:  # what `handle.describe.remote()` returns while every replica slot is taken
@@ -229,17 +235,47 @@ def test_models_does_not_wait_on_a_saturated_encoder(url, serve_harness):
             remote = staticmethod(Queued)
 
     router = object.__new__(EncoderRouter.func_or_class)
-    router.encoder, router._described = Saturated, None
+    router._described = None
 
     async def ask() -> tuple[dict, float]:
         start = time.perf_counter()
-        return await router._describe_encoder(), time.perf_counter() - start
+        return await router._describe(Saturated), time.perf_counter() - start
 
     busy, waited = asyncio.run(ask())
     assert busy["status"] == "busy" and Queued.cancelled and waited < DESCRIBE_TIMEOUT_S + 1
     router._described, Queued.cancelled = (time.monotonic() - 5, fresh), False
     stale, _ = asyncio.run(ask())
     assert stale["stale_s"] >= 5 and stale["stats"] == fresh["stats"] and Queued.cancelled
+
+
+def test_handle_results_come_from_the_encoder_replica_not_through_the_router(url, reference, serve_harness):
+    """The handle's results reference the encoder replica's object store: the router reads no
+    embedding bytes, the caller reads them on first use, and they outlive the response."""
+    import gc
+
+    import ray
+
+    from deployments.results import EncodeResult, ItemRef
+
+    encoder, tower = reference
+    files = [image_file(pattern(140, 100, seed=s), "PNG") for s in (61, 62)]
+    handle = serve.get_app_handle("encoder")
+    with serve_harness.http() as client:
+        before = model_detail(client, url)["router"]["embedding_bytes_received"]
+        response = handle.encode.remote([files[0]])
+        results = response.result()
+        refs = handle.encode.remote([files[1]], as_refs=True).result()
+        after = model_detail(client, url)["router"]["embedding_bytes_received"]
+    assert after == before
+    assert isinstance(results[0], EncodeResult) and type(refs[0]) is ItemRef and not hasattr(refs[0], "embedding")
+    del response
+    gc.collect()
+    expected = [reference_image(encoder, tower, f) for f in files]
+    for result, (tokens, deepstack, _) in zip([results[0], ray.get(refs[0].ref)], expected):
+        embedding = result.embedding if isinstance(result, EncodeResult) else result.tokens
+        assert relative_error(embedding, tokens) <= TOLERANCE
+        assert relative_error(result.deepstack, deepstack) <= TOLERANCE
+    assert list(results[0].grid_thw) == expected[0][2] and list(refs[0].grid_thw) == expected[1][2]
 
 
 def test_handle_refuses_unsupported_items_with_a_clear_error(url):

@@ -16,6 +16,7 @@ from transformers import AutoProcessor
 from models import family_class
 from models.tiny_checkpoint import save_tiny_vlm
 from tests.deployments.media_helpers import pattern
+from tests.helpers import model_detail
 
 FAMILIES = ["qwen2.5-vl", "qwen3-vl"]
 IMAGES = [pattern(200, 120, seed=1), pattern(90, 300, seed=2), pattern(320, 240, seed=3)]
@@ -77,7 +78,8 @@ def monolithic_ids(checkpoint: str, family: str, images) -> list[int]:
 def test_disaggregated_greedy_tokens_equal_monolithic_generate(apps, checkpoints, family, count):
     images = PROMPTS[count]
     client = OpenAI(base_url=apps[family] + "/v1", api_key="unused")
-    reply = client.chat.completions.create(model="tiny", messages=openai_messages(images), max_tokens=16, temperature=0)
+    served = client.models.list().data[-1].id  # the LLM's id, as /v1/models lists it
+    reply = client.chat.completions.create(model=served, messages=openai_messages(images), max_tokens=16, temperature=0)
     ours = reply.choices[0].model_extra["token_ids"]
     assert ours == monolithic_ids(checkpoints[family], family, images)
     assert reply.usage.completion_tokens == len(ours)
@@ -111,16 +113,16 @@ def test_router_forwards_references_not_embeddings(apps, serve_harness):
     """Embeddings go encoder -> LLM through the object store; the router never holds the tensors."""
     url = apps["qwen3-vl"]
     with serve_harness.http() as client:
-        before = client.get(url + "/v1/models").json()["data"][0]["router"]["embedding_bytes_received"]
+        before = model_detail(client, url)["router"]["embedding_bytes_received"]
         reply = client.post(url + "/v1/chat/completions", json={"messages": openai_messages(IMAGES), "max_tokens": 2})
         assert reply.status_code == 200, reply.text
-        after = client.get(url + "/v1/models").json()["data"][0]["router"]["embedding_bytes_received"]
+        after = model_detail(client, url)["router"]["embedding_bytes_received"]
         encode = client.post(
             url + "/v1/encode",
             json={"items": [{"type": "image", "image": data_url(IMAGES[0]).partition(",")[2]}]},
         )
         assert encode.status_code == 200
-        after_encode = client.get(url + "/v1/models").json()["data"][0]["router"]["embedding_bytes_received"]
+        after_encode = model_detail(client, url)["router"]["embedding_bytes_received"]
     assert after == before  # the chat path moved no embedding bytes through the router
     assert after_encode > after  # while /v1/encode, which must return them, does
     llm = serve.get_deployment_handle("LLMReplica", app_name="epd-qwen3-vl").describe.remote().result()
@@ -158,5 +160,4 @@ def test_llm_scales_independently_of_the_encoder(serve_harness, checkpoints):
     deployments = serve.status().applications["epd-scaled"].deployments
     assert deployments["LLMReplica"].replica_states == {"RUNNING": 2}
     assert deployments["EncoderReplica"].replica_states == {"RUNNING": 1}
-    serve.delete("epd-scaled")
-    serve_harness.apps.pop("epd-scaled")
+    serve_harness.remove("epd-scaled")

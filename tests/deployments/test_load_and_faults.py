@@ -19,7 +19,7 @@ from ray import serve
 from deployments.router import DESCRIBE_TIMEOUT_S
 from models import from_preset
 from tests.deployments.media_helpers import decode_embedding, image_file, pattern, reference_image
-from tests.helpers import reference_tower, relative_error
+from tests.helpers import model_detail, reference_tower, relative_error
 
 RESULTS_DIR = Path(os.environ.get("RESULTS_DIR", "/tmp/vlm-encoder-results"))
 POOL = [
@@ -95,9 +95,9 @@ def test_2000_mixed_requests_at_concurrency_64_lose_nothing(serve_harness, refer
 
     def router_rss() -> float:
         start = time.perf_counter()
-        model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
+        router = model_detail(httpx, url)["router"]
         models_s.append(time.perf_counter() - start)
-        return model["router"]["rss_mb"]
+        return router["private_mb"]
 
     async def sample(index):
         if index % 250 == 0:
@@ -127,8 +127,8 @@ def test_2000_mixed_requests_at_concurrency_64_lose_nothing(serve_harness, refer
             "concurrency": 64,
             "wall_s": round(wall_s, 1),
             "requests_per_s": round(len(results) / wall_s, 1),
-            "router_rss_mb_samples": rss,
-            "router_rss_growth_mb": round(rss[-1] - rss[0], 1),
+            "router_private_mb_samples": rss,
+            "router_private_growth_mb": round(rss[-1] - rss[0], 1),
             "models_seconds": [round(t, 2) for t in models_s],
         },
     )
@@ -137,7 +137,7 @@ def test_2000_mixed_requests_at_concurrency_64_lose_nothing(serve_harness, refer
     # packs for a replica slot). A liveness bound, generous for slower machines: the timeout
     # path itself is tested in test_encode_app.py.
     assert max(models_s) < DESCRIBE_TIMEOUT_S + 10, models_s
-    assert rss[-1] - rss[0] < 48, f"router memory grew: {rss}"
+    assert rss[-1] - rss[0] < 48, f"router private memory grew: {rss}"
 
 
 def cpu_seconds(pid: int) -> float:
@@ -190,7 +190,7 @@ def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, refe
             check_good(result, reference_outputs)
         else:
             assert "encoder replica failed" in result["body"]["error"]["message"]
-    stats = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["router"]["packs"]
+    stats = model_detail(httpx, url)["router"]["packs"]
     write_result(
         "cpu_fault_kill_replica.json",
         {
@@ -231,5 +231,5 @@ def test_backpressure_answers_503_with_retry_after_and_timeouts_504(serve_harnes
     assert "max_queued_tokens=300" in refused.json()["error"]["message"]
     timed_out = next(r for r in replies if r.status_code == 504)  # waited 400 ms for a pack, limit 200 ms
     assert "request_timeout_s=0.2" in timed_out.json()["error"]["message"]
-    rejected = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["router"]["rejected"]
+    rejected = model_detail(httpx, url)["router"]["rejected"]
     assert rejected["overloaded"] >= 1 and rejected["timeout"] >= 1

@@ -213,3 +213,35 @@ def test_packs_do_not_run_in_the_submitting_requests_context():
 
     asyncio.run(main())
     assert seen == [None]
+
+
+def test_packs_wait_for_a_free_replica_slot_and_grow_meanwhile():
+    """With one slot in flight, requests that arrive while a pack runs go out together in the next
+    pack, not one pack each queued behind it at the replica."""
+
+    async def main():
+        release = asyncio.Event()
+
+        class Gate(Recorder):
+            async def __call__(self, modality, items):
+                self.packs.append(items)
+                await release.wait()
+                return [ItemOutput(tokens=torch.zeros(i.spec.output_tokens, 1)) for i in items]
+
+        gate = Gate()
+        sched = scheduler(gate, max_wait_s=0.0, max_inflight_packs=lambda: 1)
+        first = items([10], "first")
+        sched.submit(first)
+        await asyncio.sleep(0.05)  # the first pack is in flight, holding the only slot
+        later = [items([10], f"r{n}") for n in range(5)]
+        for request in later:
+            sched.submit(request)
+            await asyncio.sleep(0.01)
+        assert len(gate.packs) == 1  # held: no slot
+        release.set()
+        await asyncio.gather(*(i.future for request in [first, *later] for i in request))
+        return gate, sched
+
+    gate, sched = asyncio.run(main())
+    assert [len({i.request_id for i in pack}) for pack in gate.packs] == [1, 5]
+    assert sched.stats.held_for_room >= 1

@@ -1,0 +1,238 @@
+"""A pool of decode worker processes: untrusted media is parsed there, each job under a time limit.
+
+Jobs wait ordered by deadline (arrival + estimated cost), so a small image does not wait
+long behind a queue of large videos, and nothing starves. A job that runs past its time
+limit has its worker killed and replaced, and its item fails with 413; a worker that dies
+(a crashing codec) is replaced, and its item fails with 400. More than `max_queued` waiting
+jobs: `run` raises `Overloaded` at once, before anything is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+from .decode_worker import WorkerSetup
+from .errors import item_error
+from .scheduler import Overloaded
+
+logger = logging.getLogger("ray.serve")
+
+PIXELS_PER_SECOND = 100e6
+"""Rough decode speed of one worker; only orders the queue (deadline = arrival + pixels / this)."""
+SMALL_PIXELS = 4_000_000
+"""Jobs up to this many decoded pixels (and every image inspection under `SMALL_BYTES`) may also
+take the pool's reserved worker, so small items keep moving while large ones hold the rest."""
+SMALL_BYTES = 2 << 20
+
+
+class WorkerTimeout(Exception):
+    pass
+
+
+class Worker:
+    """One decode process (`python -m deployments.decode_worker`) and its two pipes; `call`
+    blocks (run it in a thread). A plain subprocess, not multiprocessing: that would re-import
+    the parent's main module (a Ray worker's) in the child."""
+
+    def __init__(self, setup: WorkerSetup, start_timeout_s: float, small_only: bool = False):
+        self.small_only = small_only
+        jobs_read, jobs_write = os.pipe()
+        answers_read, answers_write = os.pipe()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "deployments.decode_worker", str(jobs_read), str(answers_write)],
+            pass_fds=(jobs_read, answers_write),
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+        os.close(jobs_read)
+        os.close(answers_write)
+        self.jobs = Connection(jobs_write, readable=False)
+        self.answers = Connection(answers_read, writable=False)
+        self.jobs.send(setup)
+        if not self.answers.poll(start_timeout_s):
+            self.kill()
+            raise RuntimeError(f"decode worker did not start within {start_timeout_s} s")
+        ok, detail = self.answers.recv()
+        if not ok:
+            self.kill()
+            raise RuntimeError(f"decode worker failed to start: {detail}")
+
+    def call(self, name: str, args: tuple, timeout_s: float):
+        self.jobs.send((name, args))
+        if not self.answers.poll(timeout_s):
+            raise WorkerTimeout
+        return self.answers.recv()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=5)
+        self.jobs.close()
+        self.answers.close()
+
+
+@dataclass(order=True)
+class _Job:
+    deadline: float
+    seq: int
+    name: str = field(compare=False)
+    args: tuple = field(compare=False)
+    index: int = field(compare=False)
+    small: bool = field(compare=False)
+    future: asyncio.Future = field(compare=False)
+
+
+@dataclass
+class PoolStats:
+    completed: int = 0
+    timeouts: int = 0
+    crashes: int = 0
+    refused: int = 0
+
+
+class DecodePool:
+    """`workers` general processes plus one reserved for small jobs."""
+
+    def __init__(
+        self, setup: WorkerSetup, workers: int, timeout_s: float, max_queued: int, start_timeout_s: float = 120.0
+    ):
+        self.setup = setup
+        self.size = workers + 1
+        self.timeout_s = timeout_s
+        self.max_queued = max_queued
+        self.start_timeout_s = start_timeout_s
+        self.stats = PoolStats()
+        self._threads = ThreadPoolExecutor(2 * self.size, thread_name_prefix="vlm-decode")
+        self._idle: list[Worker] = []
+        self._alive = 0
+        self._pending: list[_Job] = []
+        self._seq = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        """Start every worker (blocking; the router's constructor calls it)."""
+        lanes = [False] * (self.size - 1) + [True]
+        with ThreadPoolExecutor(self.size) as starting:
+            self._idle.extend(starting.map(self._new_worker, lanes))
+        self._alive = len(self._idle)
+
+    def _new_worker(self, small_only: bool) -> Worker:
+        return Worker(self.setup, self.start_timeout_s, small_only)
+
+    @property
+    def queued(self) -> int:
+        return len(self._pending)
+
+    @property
+    def alive(self) -> int:
+        return self._alive
+
+    async def run(self, name: str, args: tuple, index: int, pixels: int = 0, small: bool = False):
+        """Run one job for item `index` in a worker; its answer, or the item's error. `pixels`
+        orders the queue; `small` jobs may also take the reserved worker."""
+        if self._alive == 0:
+            raise Overloaded("no decode worker is running (see the router's log)")
+        if len(self._pending) >= self.max_queued:
+            self.stats.refused += 1
+            raise Overloaded(
+                f"{len(self._pending)} items wait for a decode worker (max_decode_queue={self.max_queued})"
+            )
+        self._loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + pixels / PIXELS_PER_SECOND
+        job = _Job(deadline, next(self._seq), name, args, index, small, self._loop.create_future())
+        heapq.heappush(self._pending, job)
+        self._dispatch()
+        ok, value = await job.future
+        if not ok:
+            raise value
+        return value
+
+    def _take(self, worker: Worker) -> _Job | None:
+        """The earliest-deadline job this worker may run (dropping those whose request is gone)."""
+        self._pending = [job for job in self._pending if not job.future.done()]
+        heapq.heapify(self._pending)
+        if not worker.small_only:
+            return heapq.heappop(self._pending) if self._pending else None
+        small = [job for job in self._pending if job.small]
+        if not small:
+            return None
+        job = min(small)
+        self._pending.remove(job)
+        heapq.heapify(self._pending)
+        return job
+
+    def _dispatch(self) -> None:
+        for worker in sorted(self._idle, key=lambda w: not w.small_only):  # the reserved one first
+            job = self._take(worker)
+            if job is None:
+                continue
+            self._idle.remove(worker)
+            self._loop.create_task(self._execute(worker, job))
+
+    async def _execute(self, worker: Worker, job: _Job) -> None:
+        try:
+            answer = await self._loop.run_in_executor(self._threads, worker.call, job.name, job.args, self.timeout_s)
+            self.stats.completed += 1
+        except WorkerTimeout:
+            self.stats.timeouts += 1
+            answer = (False, item_error(job.index, 413, f"took over decode_timeout_s={self.timeout_s} s to decode"))
+            worker = await self._replace(worker)
+        except (EOFError, OSError):
+            self.stats.crashes += 1
+            logger.warning("a decode worker died on items[%d]; replacing it", job.index)
+            answer = (False, item_error(job.index, 400, "crashed the decoder and cannot be decoded"))
+            worker = await self._replace(worker)
+        except Exception as error:  # an answer we could not read: the worker's state is unknown
+            self.stats.crashes += 1
+            logger.exception("decode job for items[%d] failed in the pool", job.index)
+            answer = (False, error)
+            worker = await self._replace(worker)
+        if not job.future.done():
+            job.future.set_result(answer)
+        if worker is not None:
+            self._idle.append(worker)
+        self._dispatch()
+
+    async def _replace(self, worker: Worker) -> Worker | None:
+        self._alive -= 1
+        await self._loop.run_in_executor(self._threads, worker.kill)
+        try:
+            fresh = await self._loop.run_in_executor(self._threads, self._new_worker, worker.small_only)
+        except Exception:
+            logger.exception("could not replace a decode worker (%d of %d alive)", self._alive, self.size)
+            if self._alive == 0:  # nobody will ever take the waiting jobs
+                for job in self._pending:
+                    if not job.future.done():
+                        job.future.set_result((False, Overloaded("no decode worker is running")))
+                self._pending.clear()
+            return None
+        self._alive += 1
+        return fresh
+
+    def describe(self) -> dict:
+        return {
+            "workers": self.size,
+            "alive": self._alive,
+            "idle": len(self._idle),
+            "queued": len(self._pending),
+            "completed": self.stats.completed,
+            "timeouts": self.stats.timeouts,
+            "crashes": self.stats.crashes,
+            "refused": self.stats.refused,
+        }
+
+    def close(self) -> None:
+        for worker in self._idle:
+            worker.kill()
+        self._idle.clear()
+        self._threads.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,113 @@
+"""The decode worker process: runs `media.inspect` and `media.decode` jobs sent by the router.
+
+A worker answers one job at a time over its pipe: `(True, result)` or `(False, RequestError)`.
+Results carry pixels as numpy arrays, not tensors, so they cross the pipe as plain bytes
+(torch would hand tensors over through shared-memory file descriptors). Any failure on an
+item's bytes is that item's 400; the worker itself stays up. A worker that a job crashed or
+that ran past its time limit is replaced by the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from models import load_preprocessor
+from models.processing import VisionPreprocessor
+
+from . import media
+from .cache import content_key
+from .config import Limits, ModelSettings
+from .errors import RequestError, item_error
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What a worker needs to build its state (pickled into the new process)."""
+
+    model: ModelSettings
+    limits: Limits
+
+
+@dataclass
+class WorkerState:
+    limits: Limits
+    preprocessor: VisionPreprocessor
+    model_id: str
+
+
+@dataclass
+class DecodedArrays:
+    """`media.DecodedItem` as it crosses the pipe."""
+
+    pixels: np.ndarray
+    spec: media.ItemSpec
+    key: bytes | None
+
+
+def build_state(setup: WorkerSetup) -> WorkerState:
+    model = setup.model
+    _, preprocessor = load_preprocessor(model.preset, model.family, model.path)
+    return WorkerState(setup.limits, preprocessor, model.model_id)
+
+
+def inspect_job(state: WorkerState, raw: media.RawItem) -> media.Inspection:
+    return media.inspect(raw, state.limits, state.preprocessor)
+
+
+def decode_job(state: WorkerState, raw: media.RawItem, found: media.Inspection, key_prefix: str | None):
+    """Decode and resize; `key_prefix` (None: no key) namespaces the content hash."""
+    item = media.decode(raw, found, state.limits, state.preprocessor)
+    key = None if key_prefix is None else content_key(key_prefix + state.model_id, item.spec.modality, item.pixels)
+    return DecodedArrays(item.pixels.numpy(), item.spec, key)
+
+
+JOBS = {"inspect": inspect_job, "decode": decode_job}
+
+
+def _answer(state: WorkerState, name: str, args: tuple) -> tuple[bool, object]:
+    try:
+        return True, JOBS[name](state, *args)
+    except RequestError as error:
+        return False, error
+    except Exception:  # a bug or a codec failure we did not foresee: the item's 400, logged here
+        logger.exception("decode job %s failed", name)
+        index = getattr(args[0], "index", 0)
+        return False, item_error(index, 400, "cannot be decoded")
+
+
+def serve(jobs: Connection, answers: Connection) -> None:
+    """Read the setup, build state, say ready, answer jobs until the router closes the pipe."""
+    try:
+        state = build_state(jobs.recv())
+    except Exception as error:  # the router logs it and fails its start
+        answers.send((False, repr(error)))
+        return
+    answers.send((True, "ready"))
+    while True:
+        try:
+            name, args = jobs.recv()
+        except (EOFError, OSError):  # the router went away
+            return
+        answers.send(_answer(state, name, args))
+
+
+def main(argv: list[str]) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # one job at a time, one core's worth
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    serve(Connection(int(argv[1]), writable=False), Connection(int(argv[2]), readable=False))
+
+
+if __name__ == "__main__":  # python -m deployments.decode_worker <jobs fd> <answers fd>
+    # Run the imported module's copy, so that what it pickles names `deployments.decode_worker`.
+    from deployments.decode_worker import main as module_main
+
+    module_main(sys.argv)

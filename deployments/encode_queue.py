@@ -1,0 +1,197 @@
+"""From decoded items to encoded ones: cache, in-flight dedup, packing, dispatch to encoder replicas.
+
+An item's result is an `Encoded`: a reference to its tensors in the object store of the
+encoder replica that made them. The router never holds embedding bytes on this path; the
+HTTP handlers fetch what they serialize, the handle's callers fetch for themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.serve.handle import DeploymentHandle
+
+from .cache import EmbeddingCache, InflightTable
+from .config import AppConfig
+from .encoder import PackRequest
+from .errors import RequestError, overloaded
+from .fleet import EncoderFleet
+from .media import DecodedItem
+from .metrics import RouterMetrics
+from .scheduler import Overloaded, PackScheduler, QueuedItem
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One encoded item, held by reference."""
+
+    ref: Any
+    """`ray.ObjectRef` of a `models.protocol.ItemOutput`, owned by the replica that made it."""
+    nbytes: int
+    replica: str
+    """The encoder replica's actor id: its objects are lost if it dies."""
+
+
+def replica_failed(error: Exception) -> bool:
+    """The encoder replica died or lost its GPU (retryable elsewhere), not a problem of the input."""
+    if isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+        return True
+    return "CUDA error" in str(error) or "CUDA out of memory" in str(error)
+
+
+def _done(value) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
+
+
+class EncodeQueue:
+    def __init__(
+        self,
+        config: AppConfig,
+        ladder: tuple[int, ...],
+        max_items: int,
+        max_segments: int,
+        encoder: DeploymentHandle,
+        fleet: EncoderFleet,
+        metrics: RouterMetrics,
+    ):
+        self.config = config
+        self.encoder = encoder
+        self.fleet = fleet
+        self.metrics = metrics
+        router = config.router
+        self.scheduler = PackScheduler(
+            ladder,
+            max_items,
+            max_segments,
+            self._dispatch,
+            max_wait_s=router.max_wait_ms / 1e3,
+            target_fill=router.target_fill,
+            max_queued_tokens=router.max_queued_tokens,
+            retries=router.pack_retries,
+            retryable=replica_failed,
+            final_error=self._pack_error,
+            on_pack=self._observe_pack,
+            max_inflight_packs=lambda: max(1, self.fleet.running) * router.packs_in_flight_per_replica,
+        )
+        self.cache = EmbeddingCache(router.cache_bytes)
+        self.inflight = InflightTable()
+
+    def check_room(self, tokens: int) -> None:
+        """503 at once when the service cannot take `tokens` more (no replica, or the queue is full)."""
+        if not self.fleet.ready:
+            raise overloaded(self.fleet.why_not_ready(), self.config.router.retry_after_s)
+        try:
+            self.scheduler.check_room(tokens)
+        except Overloaded as exc:
+            raise overloaded(str(exc), self.config.router.retry_after_s) from None
+
+    async def encode(self, decoded: list[DecodedItem]) -> list[Encoded]:
+        """Each item's result: from the cache, from an identical item in flight, or from a new pack."""
+        request_id = uuid.uuid4().hex
+        waits, mine, new = [], [], []  # futures to await; (key, future) this request holds; items to queue
+        for item in decoded:
+            key = item.key
+            cached = None if key is None else self.cache.get(key)
+            if cached is not None:
+                self.metrics.cache_hits.inc()
+                waits.append(_done(cached))
+                continue
+            shared = None if key is None else self.inflight.join(key)
+            if shared is not None:
+                self.metrics.cache_dedup.inc()
+                waits.append(shared)
+                mine.append((key, shared))
+                continue
+            queued = QueuedItem(item.pixels, item.spec, request_id, asyncio.get_running_loop().create_future())
+            if key is not None:
+                self.metrics.cache_misses.inc()
+                self.inflight.start(key, queued.future)
+                queued.future.add_done_callback(lambda future, key=key: self._remember(key, future))
+            new.append(queued)
+            waits.append(queued.future)
+            mine.append((key, queued.future))
+        try:
+            self.scheduler.submit(new)
+            self.metrics.queued_tokens.set(self.scheduler.queued_tokens)
+            shielded = asyncio.gather(*(asyncio.shield(future) for future in waits))
+            return await asyncio.wait_for(shielded, self.config.router.request_timeout_s)
+        except Overloaded as exc:
+            raise overloaded(str(exc), self.config.router.retry_after_s) from None
+        except asyncio.TimeoutError:
+            raise RequestError(
+                504,
+                f"request not done within request_timeout_s={self.config.router.request_timeout_s}",
+                error_type="timeout_error",
+            ) from None
+        finally:
+            for key, future in mine:  # nothing stays queued for a request that is gone, unless shared
+                last = key is None or self.inflight.leave(key, future)
+                if last and not future.done():
+                    future.cancel()
+
+    def _remember(self, key: bytes, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.cache.put(key, future.result())
+            self.metrics.cache_bytes.set(self.cache.bytes)
+
+    async def _dispatch(self, modality: str, items: list[QueuedItem]) -> list[Encoded]:
+        pack = PackRequest(self.scheduler.next_pack_id(), modality, [i.pixels for i in items], [i.spec for i in items])
+        start = time.perf_counter()
+        try:
+            result = await self.encoder.encode_pack.remote(pack)
+        except ray.exceptions.RayActorError as error:  # its objects are gone: so are its cache entries
+            if getattr(error, "actor_id", None):
+                self.cache.forget_replica(error.actor_id)
+            raise
+        self.metrics.transfer_seconds.observe(max(0.0, time.perf_counter() - start - result.queue_s - result.forward_s))
+        return [Encoded(ref, nbytes, result.replica) for ref, nbytes in zip(result.outputs, result.item_bytes)]
+
+    def _observe_pack(self, items: list[QueuedItem], budget: int | None) -> None:
+        tokens = sum(item.spec.output_tokens for item in items)
+        self.metrics.pack_fill.observe(tokens / budget if budget else 1.0)
+        self.metrics.pack_requests.observe(len({item.request_id for item in items}))
+        self.metrics.queued_tokens.set(self.scheduler.queued_tokens)
+
+    def _pack_error(self, error: Exception, retried: bool) -> Exception:
+        """What a request whose pack failed gets: 503 if a replica died (after the retry), else 500.
+        The details go to the log, not to the client."""
+        logger.error("pack failed (retried: %s): %r", retried, error)
+        if replica_failed(error) or isinstance(error, ConnectionAbortedError):
+            again = " after a retry" if retried else ""
+            return overloaded(f"an encoder replica failed while encoding this request{again}; retry", 1)
+        return RequestError(500, "encoding failed; the error is in the service log", error_type="internal_error")
+
+    async def fetch(self, encoded: list[Encoded]) -> list:
+        """The items' tensors (`ItemOutput`s), read from the encoder replicas' object stores. An
+        object lost with its replica drops that replica's cache entries and fails with 503."""
+        try:
+            return list(await asyncio.gather(*(e.ref for e in encoded)))
+        except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError) as error:
+            for item in encoded:
+                self.cache.forget_replica(item.replica)
+            logger.warning("embeddings lost with their encoder replica: %r", error)
+            raise overloaded("an encoder replica failed after encoding this request; retry", 1) from None
+
+    def stats(self) -> dict:
+        return {
+            "packs": self.scheduler.stats.snapshot(),
+            "queued_tokens": self.scheduler.queued_tokens,
+            "cache": {
+                "entries": len(self.cache),
+                "bytes": self.cache.bytes,
+                "max_bytes": self.cache.max_bytes,
+                "hits": self.cache.hits,
+                "misses": self.cache.misses,
+                "inflight_dedup": self.inflight.joined,
+            },
+        }

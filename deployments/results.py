@@ -1,0 +1,63 @@
+"""What the Python handle returns: per-item metadata and a reference to the tensors.
+
+The tensors stay in the object store of the encoder replica that made them; the router
+only passes references along. A caller reads them from there on first access (`embedding`,
+`deepstack`, or `await result.fetch()`), or hands `ref` to its own deployment, which then
+reads them itself: no copy passes through the router or the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from models.protocol import ItemOutput
+
+
+@dataclass
+class ItemRef:
+    """One item's result as a reference (`encode(..., as_refs=True)`)."""
+
+    index: int
+    """Position of the item in the request."""
+    modality: str
+    grid_thw: tuple[int, int, int]
+    """Patch grid (t, h, w) exactly as the processor reports it."""
+    tokens: int
+    """Output tokens (rows of `embedding`)."""
+    ref: Any
+    """`ray.ObjectRef` resolving to a `models.protocol.ItemOutput` (tokens, deepstack)."""
+
+
+@dataclass
+class EncodeResult(ItemRef):
+    """One item's result; the tensors are read from the encoder replica's object store on first use."""
+
+    _output: ItemOutput | None = field(default=None, repr=False, compare=False)
+
+    def _fetched(self) -> ItemOutput:
+        if self._output is None:
+            self._output = ray.get(self.ref)
+        return self._output
+
+    async def fetch(self) -> EncodeResult:
+        """Read the tensors without blocking an event loop (inside async code)."""
+        if self._output is None:
+            self._output = await self.ref
+        return self
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        """`[tokens, hidden]` in the tower's dtype."""
+        return self._fetched().tokens
+
+    @property
+    def deepstack(self) -> torch.Tensor | None:
+        """`[num_deepstack, tokens, hidden]` (Qwen3-VL) or None."""
+        return self._fetched().deepstack
+
+    def __getstate__(self) -> dict:  # the reference travels, never fetched tensors
+        return {**self.__dict__, "_output": None}

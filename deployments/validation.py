@@ -1,0 +1,103 @@
+"""Checks that make a config that cannot work fail once, at build time, with one message.
+
+Serve shows a `RayServeException` raised by an application builder as its message alone
+(any other exception as a traceback, and a replica constructor's failure as a traceback per
+retry), so every check here raises `ConfigError` naming the key, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+from pydantic import BaseModel, ValidationError
+from ray.serve.exceptions import RayServeException
+
+from .config import AppConfig
+
+
+class ConfigError(RayServeException):
+    """The application's `args` cannot work; the message says which key and how to fix it."""
+
+
+def _fields(model: type[BaseModel] | None) -> list[str]:
+    return list(model.model_fields) if model is not None and hasattr(model, "model_fields") else []
+
+
+def _model_at(location: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = AppConfig
+    for part in location:
+        field = (model.model_fields if model is not None and hasattr(model, "model_fields") else {}).get(part)
+        if field is None:
+            return None
+        annotation = field.annotation
+        candidates = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type)]
+        model = next((a for a in candidates if issubclass(a, BaseModel)), None)
+    return model
+
+
+def _explain(error: dict) -> str:
+    where = ".".join(str(part) for part in error["loc"]) or "args"
+    if error["type"] == "extra_forbidden":
+        key = str(error["loc"][-1])
+        known = _fields(_model_at(error["loc"][:-1]))
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean `{close[0]}`?" if close else f"known keys: {', '.join(known)}"
+        return f"unknown key `{where}`: {hint}"
+    value = error.get("input")
+    shown = "" if isinstance(value, dict) else f" (got {value!r})"
+    return f"`{where}`{shown}: {error['msg']}"
+
+
+def parse_args(args) -> AppConfig:
+    """The YAML `args` as an `AppConfig`, or a `ConfigError` listing what is wrong."""
+    if isinstance(args, AppConfig):
+        return args
+    try:
+        return AppConfig.model_validate(args or {})
+    except ValidationError as error:
+        problems = [_explain(e) for e in error.errors()]
+        raise ConfigError("invalid application args: " + "; ".join(problems)) from None
+
+
+def check_path(key: str, path: str | None, family: str | None) -> None:
+    """A checkpoint path must hold a config transformers can read, of the configured family."""
+    if path is None:
+        return
+    from models import CheckpointError, load_preprocessor
+
+    if not Path(path).exists() and Path(path).is_absolute():
+        raise ConfigError(f"`{key}`: {path!r} does not exist; give a checkpoint directory or a hub id")
+    try:
+        load_preprocessor(None, family, path)
+    except CheckpointError as error:
+        raise ConfigError(f"`{key}`: {error}") from None
+    except Exception as error:  # the hub, a missing or broken config.json, ...
+        raise ConfigError(
+            f"`{key}`: cannot read a model config from {path!r} ({type(error).__name__}: {error}); "
+            "give a checkpoint directory (config.json + safetensors) or a hub id that is reachable"
+        ) from None
+
+
+def check_device(key: str, device: str) -> None:
+    """`cuda` needs a GPU somewhere in the cluster."""
+    if device != "cuda":
+        return
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
+    if gpus == 0:
+        raise ConfigError(
+            f"`{key}` is 'cuda' but no node of this Ray cluster has a GPU; use `{key}: cpu`, or start Ray on GPU nodes"
+        )
+
+
+def validate(args) -> AppConfig:
+    """Everything that can be checked before any replica starts."""
+    config = parse_args(args)
+    check_path("model.path", config.model.path, config.model.family if config.model.path else None)
+    check_device("model.device", config.model.device)
+    if config.llm is not None:
+        check_path("llm.path", config.llm.path, config.llm.family)
+        check_device("llm.device", config.llm.device)
+    return config

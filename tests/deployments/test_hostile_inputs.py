@@ -1,0 +1,335 @@
+"""Hostile inputs, second round: files that read server files, bind sockets, or decode for minutes,
+malformed files that used to answer 500, framework-level errors, slow items and slow clients.
+
+Each gets a 4xx in the documented shape (or a clear 503/504) within `ANSWER_WITHIN_S`, and the
+service keeps serving. No request makes the service open a file or a socket: checked on the
+decoder itself with a named pipe (opening it for reading is visible to its writer) and the
+process's own UDP sockets, and through HTTP with a real file the old decoder would have read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+from PIL import Image
+
+from deployments.config import Limits, ModelSettings
+from deployments.decode_worker import WorkerSetup, build_state, decode_job, inspect_job
+from deployments.errors import RequestError
+from deployments.media import RawItem
+from tests.deployments import hostile_media as hostile
+from tests.deployments.media_helpers import b64, image_file, pattern
+
+ANSWER_WITHIN_S = 10.0
+SLOW = {"decode_timeout_s": 0.3, "body_timeout_s": 2.0}
+"""Router settings of the app whose items must finish decoding quickly."""
+FEW_FRAMES = {"max_video_decode_frames": 64}
+
+
+# ---- the decoder opens nothing ----
+
+
+@pytest.fixture(scope="module")
+def worker_state():
+    return build_state(WorkerSetup(ModelSettings(), Limits()))
+
+
+def run_item(state, kind: str, data: bytes):
+    raw = RawItem(0, kind, data)
+    found = inspect_job(state, raw)
+    return decode_job(state, raw, found, None)
+
+
+def opened_for_reading(fifo: str) -> bool:
+    """True while some process has the named pipe open for reading (a writer may then open it)."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENXIO: no reader
+        return False
+    os.close(fd)
+    return True
+
+
+def watch_while(call, check, seconds: float = 3.0) -> bool:
+    """Run `call` in a thread; True if `check()` held at any moment while it ran (or `seconds` passed)."""
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def target():
+        try:
+            call()
+        except BaseException as error:  # noqa: BLE001 - the caller decides what an error means
+            errors.append(error)
+        finally:
+            done.set()
+
+    threading.Thread(target=target, daemon=True).start()
+    deadline = time.monotonic() + seconds
+    seen = False
+    while not done.is_set() and time.monotonic() < deadline:
+        seen = seen or check()
+        time.sleep(0.005)
+    seen = seen or check()
+    done.wait(30)
+    assert all(isinstance(e, RequestError) and 400 <= e.status < 500 for e in errors), errors
+    return seen
+
+
+@pytest.mark.parametrize(
+    "make", [lambda path: hostile.ffconcat(path), lambda path: hostile.hls_playlist(path)], ids=["ffconcat", "hls"]
+)
+def test_a_video_naming_a_file_never_opens_it(make, worker_state, tmp_path):
+    fifo = str(tmp_path / "named.mp4")
+    os.mkfifo(fifo)
+    assert not watch_while(lambda: run_item(worker_state, "video", make(fifo)), lambda: opened_for_reading(fifo))
+
+
+def test_an_sdp_session_binds_no_socket(worker_state):
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    def bound() -> bool:
+        return any(c.laddr and c.laddr.port == port for c in psutil.Process().net_connections("udp"))
+
+    assert not watch_while(lambda: run_item(worker_state, "video", hostile.sdp(port)), bound)
+
+
+# ---- through HTTP: each case answered in the documented shape, quickly ----
+
+
+@dataclass
+class Case:
+    name: str
+    body: object
+    """A JSON body (dict) or raw bytes with `headers`."""
+    status: int
+    param: str | None
+    message: str = ""
+    app: str = "default"
+    headers: dict | None = None
+
+
+def video_item(data: bytes) -> dict:
+    return {"items": [{"type": "video", "video": b64(data)}]}
+
+
+def image_item(data: bytes) -> dict:
+    return {"items": [{"type": "image", "image": b64(data)}]}
+
+
+def deep_json(depth: int) -> bytes:
+    return b'{"items": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+def cases(clip_path: str) -> list[Case]:
+    allowed = "allowed_image_formats"
+    return [
+        Case("ffconcat naming a real mp4", video_item(hostile.ffconcat(clip_path)), 400, "items[0]", "not a decodable"),
+        Case("hls playlist", video_item(hostile.hls_playlist(clip_path)), 400, "items[0]", "not a decodable"),
+        Case("sdp session", video_item(hostile.sdp(45999)), 400, "items[0]", "not a decodable"),
+        Case("frames larger than declared", video_item(hostile.size_changing_mjpeg()), 400, "items[0]", "declared"),
+        Case(
+            "one keyframe and 6000 repeats",
+            video_item(hostile.skip_frame_h264(6000, 3000)),
+            413,
+            "items[0]",
+            "max_video_decode_frames=4096",
+        ),
+        Case(
+            "100 frames to decode, over a limit of 64",
+            video_item(hostile.skip_frame_h264(100, 100)),
+            413,
+            "items[0]",
+            "max_video_decode_frames=64",
+            app="few_frames",
+        ),
+        Case(
+            "JPEG scan repeated 2000 times",
+            image_item(hostile.repeated_scan_jpeg(2000)),
+            413,
+            "items[0]",
+            "max_jpeg_scans=100",
+        ),
+        Case("DDS with flags 0", image_item(hostile.dds_with_zero_flags()), 415, "items[0]", allowed),
+        Case("SPIDER", image_item(hostile.spider()), 415, "items[0]", allowed),
+        Case("AVIF", image_item(hostile.avif()), 415, "items[0]", allowed),
+        Case("TIFF with FLOAT StripOffsets", image_item(hostile.tiff_with_float_strip_offsets()), 400, "items[0]"),
+        Case("AVI with fourcc ZZZZ", video_item(hostile.avi_with_unknown_fourcc()), 400, "items[0]"),
+        Case("100000-deep nesting", deep_json(100_000), 400, None, headers={"Content-Type": "application/json"}),
+        Case(
+            "a 5000-digit integer",
+            b'{"items": [], "cache": ' + b"9" * 5000 + b"}",
+            400,
+            None,
+            headers={"Content-Type": "application/json"},
+        ),
+        Case("invalid UTF-8", b'{"items": ["\xff\xfe"]}', 400, None, headers={"Content-Type": "application/json"}),
+        Case(
+            "gzip Content-Encoding",
+            gzip.compress(json.dumps(image_item(b"x")).encode()),
+            400,
+            None,
+            headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+        ),
+    ]
+
+
+@pytest.fixture(scope="module")
+def urls(serve_harness) -> dict[str, str]:
+    return {
+        "default": serve_harness.deploy("configs/local.yaml"),
+        "few_frames": serve_harness.deploy(
+            "configs/local.yaml", name="hostile-few-frames", route_prefix="/few-frames", limits=FEW_FRAMES
+        ),
+        "slow": serve_harness.deploy(
+            "configs/local.yaml", name="hostile-slow", route_prefix="/slow", router={"max_wait_ms": 10, **SLOW}
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def clip_path(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("server-files") / "clip.mp4"
+    path.write_bytes(hostile.mp4())
+    return str(path)
+
+
+def assert_documented_error(response: httpx.Response, status: int, param: str | None, message: str = "") -> None:
+    assert response.status_code == status, response.text[:300]
+    body = response.json()
+    assert list(body) == ["error"] and sorted(body["error"]) == ["message", "param", "type"], body
+    assert body["error"]["param"] == param, body
+    assert message in body["error"]["message"], body
+
+
+def still_serving(client: httpx.Client, url: str) -> None:
+    seed = int(time.monotonic() * 1000) % 100_000
+    response = client.post(url + "/v1/encode", json=image_item(image_file(pattern(48, 48, seed=seed), "PNG")))
+    assert response.status_code == 200, response.text[:300]
+
+
+@pytest.mark.parametrize("index", range(16))
+def test_hostile_case_gets_a_documented_4xx_quickly(index, urls, clip_path, serve_harness):
+    case = cases(clip_path)[index]
+    url = urls[case.app]
+    with serve_harness.http() as client:
+        start = time.perf_counter()
+        if isinstance(case.body, bytes):
+            response = client.post(url + "/v1/encode", content=case.body, headers=case.headers)
+        else:
+            response = client.post(url + "/v1/encode", json=case.body)
+        elapsed = time.perf_counter() - start
+        assert_documented_error(response, case.status, case.param, case.message)
+        assert elapsed < ANSWER_WITHIN_S, (case.name, elapsed)
+        still_serving(client, url)
+
+
+def test_a_video_with_a_non_utf8_title_is_encoded(urls, serve_harness):
+    with serve_harness.http() as client:
+        response = client.post(urls["default"] + "/v1/encode", json=video_item(hostile.mp4_with_non_utf8_title()))
+    assert response.status_code == 200, response.text[:300]
+
+
+@pytest.mark.parametrize(
+    "method,path,status",
+    [("GET", "/no/such/path", 404), ("DELETE", "/v1/encode", 405), ("GET", "/v1/encode", 405)],
+)
+def test_framework_errors_have_the_documented_shape(method, path, status, urls, serve_harness):
+    with serve_harness.http() as client:
+        response = client.request(method, urls["default"] + path)
+    assert_documented_error(response, status, None, path)
+
+
+def heavy_png() -> bytes:
+    """A legal 6000x6000 image (36 Mpx) that takes ~a second or more to decode and resize on a CPU."""
+    y = np.linspace(0, 255, 6000, dtype=np.float32)[:, None]
+    x = np.linspace(0, 255, 6000, dtype=np.float32)[None, :]
+    rgb = np.stack(np.broadcast_arrays(x, y, (x + y) / 2), axis=-1).astype(np.uint8)
+    return image_file(Image.fromarray(rgb), "PNG")
+
+
+def test_an_item_over_the_decode_time_limit_gets_413_and_the_next_one_is_served(urls, serve_harness):
+    with serve_harness.http() as client:
+        start = time.perf_counter()
+        response = client.post(urls["slow"] + "/v1/encode", json=image_item(heavy_png()))
+        assert time.perf_counter() - start < ANSWER_WITHIN_S
+        assert_documented_error(response, 413, "items[0]", "decode_timeout_s=0.3")
+        still_serving(client, urls["slow"])
+
+
+async def slow_body(host: str, port: int, path: str, hold: asyncio.Event) -> None:
+    """A client that sends its headers and 11 of 100000 body bytes, then waits."""
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        "Content-Length: 100000\r\n\r\n".encode()
+        + b'{"items": ['
+    )
+    await writer.drain()
+    await hold.wait()
+    writer.close()
+
+
+def test_small_requests_are_served_while_bombs_and_slow_clients_are_in_flight(urls, serve_harness):
+    """8 heavy items decoding and 300 clients that never finish their bodies: a small image is
+    still answered in under 2 s and /health in under 1 s."""
+    url = urls["default"]
+    host, port = "127.0.0.1", serve_harness.port
+    bomb = image_item(heavy_png())
+    small = image_item(image_file(pattern(64, 48, seed=4242), "PNG"))
+
+    async def scenario() -> tuple[float, float, list[int]]:
+        hold = asyncio.Event()
+        slow = [asyncio.ensure_future(slow_body(host, port, "/v1/encode", hold)) for _ in range(300)]
+        async with httpx.AsyncClient(timeout=120) as client:
+            bombs = [asyncio.ensure_future(client.post(url + "/v1/encode", json=bomb)) for _ in range(8)]
+            await asyncio.sleep(1.0)  # the bombs are decoding, the slow clients connected
+            start = time.perf_counter()
+            response = await client.post(url + "/v1/encode", json=small)
+            small_s = time.perf_counter() - start
+            assert response.status_code == 200, response.text[:300]
+            start = time.perf_counter()
+            health = await client.get(url + "/health")
+            health_s = time.perf_counter() - start
+            assert health.status_code == 200, health.text
+            statuses = [r.status_code for r in await asyncio.gather(*bombs)]
+        hold.set()
+        await asyncio.gather(*slow, return_exceptions=True)
+        return small_s, health_s, statuses
+
+    small_s, health_s, statuses = asyncio.run(scenario())
+    assert small_s < 2.0 and health_s < 1.0, (small_s, health_s)
+    assert all(s in (200, 413, 503) for s in statuses), statuses  # 413: over decode_timeout_s on a busy CPU
+
+
+def test_a_client_that_stops_sending_its_body_gets_408(urls, serve_harness):
+    host, port = "127.0.0.1", serve_harness.port
+
+    async def scenario() -> bytes:
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(
+            b"POST /slow/v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n{"
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), ANSWER_WITHIN_S + 15)
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        body = await asyncio.wait_for(reader.readexactly(length), 5)
+        writer.close()
+        return head + body
+
+    answer = asyncio.run(scenario())
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"body_timeout_s" in answer
