@@ -17,7 +17,7 @@ from models.presets import PRESETS
 from models.protocol import ItemSpec
 from models.tiling import patch_rows
 from models.tiny_checkpoint import build_tiny_processor, save_tiny_vlm
-from tests.helpers import random_image, random_video, relative_error
+from tests.helpers import random_image, random_video, reference_tiles, relative_error
 
 TOLERANCE = 1e-4
 BUDGETS = (256, 512, 1024, 2048, 4096, 8192)
@@ -56,12 +56,6 @@ def processor_pixels(processor, image: torch.Tensor) -> torch.Tensor:
     return processor(images=[image], text=["<IMG_CONTEXT>"], return_tensors="pt")["pixel_values"]
 
 
-@torch.inference_mode()
-def features(reference, pixel_values: torch.Tensor) -> torch.Tensor:
-    """transformers' `get_image_features`, its tiles' tokens one after another."""
-    return reference.get_image_features(pixel_values).pooler_output.flatten(0, 1)
-
-
 def test_tiles_are_the_processors_own_pixel_values(encoder, processor):
     pre = encoder.preprocessor
     rng = np.random.default_rng(0)
@@ -87,7 +81,7 @@ def test_30_images_packed_through_the_runner_equal_get_image_features(encoder, r
     specs = [pre.image_spec(*image.shape[-2:]) for image in images]
     assert {1, 13} <= {spec.grid_thw[0] for spec in specs}
     resized = [pre.resize_image(image) for image in images]
-    expected = [features(reference, processor_pixels(processor, image)) for image in images]
+    expected = [reference_tiles(reference, processor_pixels(processor, image)) for image in images]
     runner = EncoderRunner(encoder, GraphConfig(budgets=BUDGETS, min_seqlen_bucket=1024, max_items_per_pack=32))
     packs, pack = [], []
     for index in rng.permutation(len(images)).tolist():
@@ -115,7 +109,7 @@ def test_videos_are_frames_as_tiles(encoder, reference, processor):
     outputs = runner.run(pre.pixel_values([pre.resize_video(c) for c in clips], "video"), specs)
     for clip, output in zip(clips, outputs):
         pixels = processor(videos=[clip], text=["<video>"], return_tensors="pt")["pixel_values"]
-        assert relative_error(output.tokens, features(reference, pixels)) <= TOLERANCE
+        assert relative_error(output.tokens, reference_tiles(reference, pixels)) <= TOLERANCE
 
 
 def test_padded_and_exact_runs_agree_on_items_that_are_not_whole_tiles(encoder):
@@ -154,7 +148,7 @@ def test_config_variants_match_get_image_features(vision, top, processor):
     pixels = processor_pixels(processor, image)
     spec = encoder.preprocessor.image_spec(300, 700)
     ours = encoder.forward_eager(patch_rows(pixels, 14), [spec]).tokens
-    assert relative_error(ours, features(reference, pixels)) <= TOLERANCE
+    assert relative_error(ours, reference_tiles(reference, pixels)) <= TOLERANCE
 
 
 def test_class_token_and_position_embeddings_are_random_in_presets(encoder):
