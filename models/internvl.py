@@ -25,7 +25,8 @@ from transformers.models.internvl.modeling_internvl import InternVLModel
 from transformers.models.internvl.video_processing_internvl import InternVLVideoProcessor
 
 from .internvl_tower import InternVLVisionTower
-from .protocol import EncoderOutput, ItemSpec, PackCapacityError, PackLayout, TensorSpec
+from .layout import exact_layout, pack_rows
+from .protocol import EncoderOutput, ItemSpec, PackLayout, TensorSpec
 from .tiling import TilePreprocessor
 
 IMAGE_TOKEN = "<IMG_CONTEXT>"
@@ -148,18 +149,14 @@ class InternVLEncoder:
 
     def exact_layout(self, specs: Sequence[ItemSpec]) -> PackLayout:
         """The unpadded layout of exactly these items (used by the eager path)."""
-        tokens = sum(s.output_tokens for s in specs)
-        segments = sum(s.grid_thw[0] for s in specs)
-        return PackLayout(tokens, max((s.frame_patches for s in specs), default=1), segments)
+        return exact_layout(specs)
 
     def metadata_specs(self, layout: PackLayout) -> dict[str, TensorSpec]:
         return {}
 
     def pack_metadata(self, specs: Sequence[ItemSpec], layout: PackLayout) -> dict[str, torch.Tensor]:
-        rows = layout.token_budget * self.merge_unit
-        used = sum(s.input_patches for s in specs)
-        if used > rows:
-            raise PackCapacityError(f"{used} patches exceed the layout's {rows}")
+        """No metadata: only a check that the items fit the layout's rows."""
+        pack_rows(specs, layout, self.merge_unit)
         return {}
 
     # ---- forwards ----

@@ -53,7 +53,9 @@ def _feature_layers(config: InternVLConfig) -> tuple[int, bool]:
 class InternVLVisionTower(torch.nn.Module):
     """transformers' InternVL vision tower and projector: patch rows in, projected tokens out."""
 
-    def __init__(self, config: InternVLConfig, vision_tower: InternVLVisionModel, projector: InternVLMultiModalProjector):
+    def __init__(
+        self, config: InternVLConfig, vision_tower: InternVLVisionModel, projector: InternVLMultiModalProjector
+    ):
         super().__init__()
         self.config = config
         self.vision_tower = vision_tower

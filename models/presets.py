@@ -226,6 +226,14 @@ _INTERNVIT_300M = dict(
     hidden_act="gelu",
     layer_norm_eps=1e-6,
 )
+_INTERNVIT_TINY = {
+    **_INTERNVIT_300M,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
+
 
 def _with_text(preset: Preset, **text: Any) -> Preset:
     return replace(preset, text_config={**TINY_TEXT_CONFIG, **text}, special_tokens=dict(TINY_SPECIAL_TOKENS))
@@ -396,14 +404,11 @@ PRESETS: dict[str, Preset] = {
             TINY_INTERNVL_TEXT_CONFIG,
             TINY_INTERNVL_SPECIAL_TOKENS,
             False,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            attention_bias=True,
-            hidden_act="gelu",
+            **_INTERNVIT_TINY,
         ),
-        _internvl("internvl3-1b", _internvl3_text(896, 4864, 24, 14, 2), INTERNVL_SPECIAL_TOKENS, True, **_INTERNVIT_300M),
+        _internvl(
+            "internvl3-1b", _internvl3_text(896, 4864, 24, 14, 2), INTERNVL_SPECIAL_TOKENS, True, **_INTERNVIT_300M
+        ),
         _internvl(
             "internvl3-2b", _internvl3_text(1536, 8960, 28, 12, 2), INTERNVL_SPECIAL_TOKENS, True, **_INTERNVIT_300M
         ),

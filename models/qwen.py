@@ -25,10 +25,10 @@ from transformers.activations import GELUTanh
 from transformers.vision_utils import get_vision_position_ids
 
 from . import attention
-from .layout import padded_cu_seqlens, padded_rows, segment_lengths
+from .layout import exact_layout, pack_rows, padded_cu_seqlens, padded_rows, segment_lengths
 from .presets import vlm_token_ids
 from .processing import ResizeRules, VisionPreprocessor
-from .protocol import EncoderOutput, ItemSpec, PackCapacityError, PackLayout, TensorSpec
+from .protocol import EncoderOutput, ItemSpec, PackLayout, TensorSpec
 
 
 class PatchLinear(torch.nn.Module):
@@ -292,9 +292,7 @@ class QwenVisionEncoder:
 
     def exact_layout(self, specs: Sequence[ItemSpec]) -> PackLayout:
         """The unpadded layout of exactly these items (used by the eager path)."""
-        tokens = sum(s.output_tokens for s in specs)
-        segments = sum(s.grid_thw[0] for s in specs)
-        return PackLayout(tokens, max((s.frame_patches for s in specs), default=1), segments)
+        return exact_layout(specs)
 
     def metadata_specs(self, layout: PackLayout) -> dict[str, TensorSpec]:
         rows = layout.token_budget * self.merge_unit
@@ -304,10 +302,7 @@ class QwenVisionEncoder:
         }
 
     def pack_metadata(self, specs: Sequence[ItemSpec], layout: PackLayout) -> dict[str, torch.Tensor]:
-        rows = layout.token_budget * self.merge_unit
-        used = sum(s.input_patches for s in specs)
-        if used > rows:
-            raise PackCapacityError(f"{used} patches exceed the layout's {rows}")
+        rows = pack_rows(specs, layout, self.merge_unit)
         lengths = segment_lengths(specs)
         positions = [_position_ids(s.grid_thw, self.spatial_merge_size) for s in specs]
         return {

@@ -197,7 +197,8 @@ def test_vision_only_checkpoint_loads(tmp_path, prefix):
 def test_a_missing_projector_weight_is_named(tmp_path):
     source = from_preset("internvl-tiny")
     save_vision_only(source, tmp_path)
-    state = {f"model.{k}": v for k, v in source.tower.state_dict().items() if k != "multi_modal_projector.linear_2.bias"}
+    dropped = "multi_modal_projector.linear_2.bias"
+    state = {f"model.{k}": v for k, v in source.tower.state_dict().items() if k != dropped}
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"missing \['multi_modal_projector\.linear_2\.bias'\]"):
         from_checkpoint(str(tmp_path))
