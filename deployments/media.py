@@ -34,7 +34,8 @@ class DecodedItem:
     """One item after decoding and resizing: what travels to an encoder replica."""
 
     pixels: torch.Tensor
-    """uint8 `[3, h, w]` (image) or `[T, 3, h, w]` (video), already resized by the processor's rule."""
+    """uint8 `[3, h, w]` (image) or `[T, 3, h, w]` (video), already resized by the processor's rule;
+    InternVL: `[tiles, 3, h, w]` for both (an image's tiles, a video's frames)."""
     spec: ItemSpec
     key: bytes | None = None
     """Content hash for the cache and in-flight dedup (None: the request opted out)."""

@@ -14,7 +14,7 @@ from encoder_graphs.runner import EncoderRunner, GraphConfig
 from models import CheckpointError, from_checkpoint, from_preset, transformers_tower
 from models.internvl import InternVLEncoder
 from models.presets import PRESETS
-from models.protocol import ItemSpec
+from models.protocol import ItemSpec, VisionEncoder
 from models.tiling import patch_rows
 from models.tiny_checkpoint import build_tiny_processor, save_tiny_vlm
 from tests.helpers import random_image, random_video, reference_tiles, relative_error
@@ -149,6 +149,12 @@ def test_config_variants_match_get_image_features(vision, top, processor):
     spec = encoder.preprocessor.image_spec(300, 700)
     ours = encoder.forward_eager(patch_rows(pixels, 14), [spec]).tokens
     assert relative_error(ours, reference_tiles(reference, pixels)) <= TOLERANCE
+
+
+def test_the_adapter_speaks_the_protocol(encoder):
+    assert isinstance(encoder, VisionEncoder)
+    assert (encoder.merge_unit, encoder.patch_dim, encoder.min_item_tokens) == (4, 3 * 14 * 14, 256)
+    assert encoder.metadata_specs(encoder.pack_layout(512, 1024, 4)) == {}
 
 
 def test_class_token_and_position_embeddings_are_random_in_presets(encoder):
