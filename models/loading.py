@@ -165,7 +165,8 @@ def read_vision_state_dict(directory: Path, prefixes: dict[str, str] | None) -> 
                         state[tower_prefix + key[len(prefix) :]] = handle.get_tensor(key)
                         break
     if not state:
-        raise CheckpointError(f"no vision-tower weights (keys under {' or '.join(prefixes or ())}) in {directory}")
+        under = " or ".join(prefixes) if prefixes else "any name"
+        raise CheckpointError(f"no vision-tower weights (keys under {under}) in {directory}")
     return state
 
 
