@@ -75,7 +75,8 @@ class ChatRequest(_Body):
     user: str | None = Field(None, description="Accepted and ignored.")
 
 
-RESERVED_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+RESERVED_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<IMG_CONTEXT>")
+"""Vision placeholders of the families' prompts (Qwen's; InternVL's `<IMG_CONTEXT>`)."""
 
 
 def _check_text(text: str, index: int) -> None:

@@ -26,7 +26,7 @@ class _Strict(BaseModel):
 class ModelSettings(_Strict):
     """Which vision tower to serve and where."""
 
-    family: Literal["qwen2-vl", "qwen2.5-vl", "qwen3-vl"] | None = Field(
+    family: Literal["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "internvl"] | None = Field(
         "qwen3-vl", description="Model family; with `preset: tiny` it picks the tiny tower; checked against `path`."
     )
     preset: str | None = Field(
@@ -194,7 +194,7 @@ class Limits(_Strict):
 class LLMSettings(_Strict):
     """The downstream LLM of encoder disaggregation (language side only; the tower is on the encoders)."""
 
-    family: Literal["qwen2-vl", "qwen2.5-vl", "qwen3-vl"] = Field(
+    family: Literal["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "internvl"] = Field(
         "qwen3-vl", description="Model family; must match the encoder's."
     )
     preset: str = Field(

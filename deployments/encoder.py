@@ -37,7 +37,7 @@ class PackRequest:
     pack_id: int
     modality: str
     pixels: list[torch.Tensor]
-    """uint8 resized items (`[3, h, w]` or `[T, 3, h, w]`), in pack order."""
+    """uint8 resized items (`[3, h, w]` or `[T, 3, h, w]`; InternVL: `[tiles, 3, h, w]`), in pack order."""
     specs: list[ItemSpec]
 
     @property

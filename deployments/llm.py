@@ -2,8 +2,10 @@
 
 The model is transformers' own VLM class (`...ForConditionalGeneration`), so prompt
 splicing, multimodal rotary positions (from the grids) and Qwen3-VL's deepstack injection
-are transformers' code. Only its vision tower is replaced, by `PrecomputedVision`: a
-module that returns the embeddings the encoder replicas computed for this request. The
+are transformers' code. Qwen: only its vision tower is replaced, by `PrecomputedVision`: a
+module that returns the embeddings the encoder replicas computed for this request. InternVL:
+its tower and projector are dropped and the embeddings go in as `mm_encoder_outputs`,
+transformers' own input for pre-encoded images (used on the prefill step only). The
 embeddings arrive as Ray object references, fetched here straight from the encoder
 replica that produced them (the router only forwards the references).
 """
@@ -25,7 +27,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from models import family_class, resolve_preset, vlm_config
 from models.protocol import ItemOutput
-from models.tiny_checkpoint import build_tokenizer
+from models.tiny_checkpoint import build_preset_tokenizer
 
 from .config import AppConfig, LLMSettings
 from .encoder import resolve_dtype
@@ -108,7 +110,10 @@ def load_language_model(settings: LLMSettings, device: str, dtype: torch.dtype):
         torch.manual_seed(settings.seed)
         with torch.device(device):
             model = cls.vlm_class._from_config(vlm_config(preset), dtype=dtype)
-        tokenizer = build_tokenizer(preset.special_tokens, preset.text_config["max_position_embeddings"])
+        tokenizer = build_preset_tokenizer(preset)
+    if settings.family == "internvl":
+        model.model.vision_tower = model.model.multi_modal_projector = None
+        return model.to(device).eval(), tokenizer
     vision = model.model.visual
     model.model.visual = PrecomputedVision(
         vision.spatial_merge_size, dtype, with_deepstack=hasattr(vision, "deepstack_merger_list")
@@ -117,14 +122,15 @@ def load_language_model(settings: LLMSettings, device: str, dtype: torch.dtype):
     return model.to(device).eval(), tokenizer
 
 
-def expand_image_pads(text: str, pad: str, counts: list[int]) -> str:
-    """Replace the i-th image placeholder with `counts[i]` copies (what the processor does from grids)."""
+def expand_image_pads(text: str, pad: str, counts: list[int], start: str = "", end: str = "") -> str:
+    """Replace the i-th image placeholder with `counts[i]` copies (what the processor does from grids),
+    between `start` and `end` (InternVL's `<img>`, `</img>`)."""
     pieces = text.split(pad)
     if len(pieces) - 1 != len(counts):
         raise ValueError(f"prompt has {len(pieces) - 1} image placeholders for {len(counts)} images")
     out = [pieces[0]]
     for count, piece in zip(counts, pieces[1:]):
-        out += [pad * count, piece]
+        out += [start + pad * count + end, piece]
     return "".join(out)
 
 
@@ -138,9 +144,18 @@ class LLMReplica:
         )
         model_config = self.model.config
         self.image_token_id = model_config.image_token_id
-        self.video_token_id = model_config.video_token_id
-        self.merge_unit = self.model.model.visual.spatial_merge_size**2
+        self.video_token_id = getattr(model_config, "video_token_id", None)
         self.pad = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        self.precomputed = settings.family == "internvl"
+        """Embeddings go in as `mm_encoder_outputs` (InternVL), not through a stand-in tower (Qwen)."""
+        if self.precomputed:
+            self.merge_unit = round(1 / model_config.downsample_ratio) ** 2
+            self.image_wrap = (self.tokenizer.start_image_token, self.tokenizer.end_image_token)
+            self.embedding_dtype = self.model.dtype
+        else:
+            self.merge_unit = self.model.model.visual.spatial_merge_size**2
+            self.image_wrap = ("", "")
+            self.embedding_dtype = self.model.model.visual.dtype
         self._lock = threading.Lock()
         self.handoff_totals = {"images": 0, "bytes": 0, "ms": 0.0}
         self.max_prompt_tokens = settings.max_prompt_tokens
@@ -159,7 +174,7 @@ class LLMReplica:
     def _inputs(self, request: GenerateRequest) -> dict:
         text = self.tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
         counts = [t * h * w // self.merge_unit for t, h, w in request.grids]
-        ids = torch.tensor([self.tokenizer(expand_image_pads(text, self.pad, counts))["input_ids"]])
+        ids = torch.tensor([self.tokenizer(expand_image_pads(text, self.pad, counts, *self.image_wrap))["input_ids"]])
         if ids.shape[1] > self.max_prompt_tokens:
             raise RequestError(
                 413,
@@ -167,8 +182,11 @@ class LLMReplica:
                 f"llm.max_prompt_tokens={self.max_prompt_tokens}",
                 param="messages",
             )
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if self.precomputed:
+            return {k: v.to(self.device) for k, v in inputs.items()}
         types = (ids == self.image_token_id).long() + 2 * (ids == self.video_token_id).long()
-        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": types}
+        inputs["mm_token_type_ids"] = types
         if request.grids:
             inputs["pixel_values"] = torch.zeros(1)  # a marker: the stub vision returns the real embeddings
             inputs["image_grid_thw"] = torch.tensor([list(g) for g in request.grids])
@@ -179,8 +197,13 @@ class LLMReplica:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(prompt ids, new ids) for one request; generation runs one request at a time."""
         with self._lock, torch.inference_mode():
-            self.model.model.visual.current = [self._to_device(i) for i in items]
+            items = [self._to_device(i) for i in items]
             inputs = self._inputs(request)
+            if self.precomputed and items:
+                tokens = torch.cat([item.tokens for item in items])
+                inputs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=tokens)}
+            elif not self.precomputed:
+                self.model.model.visual.current = items
             sampling = {"do_sample": False}
             if request.temperature > 0:
                 if request.seed is not None:
@@ -196,11 +219,12 @@ class LLMReplica:
                     **sampling,
                 )
             finally:
-                self.model.model.visual.current = []
+                if not self.precomputed:
+                    self.model.model.visual.current = []
             return inputs["input_ids"], out[0, inputs["input_ids"].shape[1] :].cpu()
 
     def _to_device(self, item: ItemOutput) -> ItemOutput:
-        dtype = self.model.model.visual.dtype
+        dtype = self.embedding_dtype
         deepstack = None if item.deepstack is None else item.deepstack.to(self.device, dtype)
         return ItemOutput(item.tokens.to(self.device, dtype), deepstack)
 

@@ -61,7 +61,8 @@ class DecodedItem:
     """One item after decoding and resizing: what travels to an encoder replica."""
 
     pixels: torch.Tensor
-    """uint8 `[3, h, w]` (image) or `[T, 3, h, w]` (video), resized by the processor's rule."""
+    """uint8 `[3, h, w]` (image) or `[T, 3, h, w]` (video), resized by the processor's rule;
+    InternVL: `[tiles, 3, h, w]` for both (an image's tiles, a video's frames)."""
     spec: ItemSpec
     key: bytes | None = field(default=None)
     """Content hash for the cache and in-flight dedup (None: the request opted out)."""
@@ -164,7 +165,7 @@ def inspect(raw: RawItem, limits: Limits, pre: VisionPreprocessor) -> Inspection
 
 def _image_array(data: Any, index: int, limits: Limits, pre: VisionPreprocessor) -> np.ndarray:
     image = _opened(data, index, limits)
-    if limits.jpeg_draft:
+    if limits.jpeg_draft and hasattr(pre, "resized_image_size"):  # a tiling processor keeps full size
         upright = _upright_size(image)
         target = pre.resized_image_size(*upright)
         if upright != image.size[::-1]:  # EXIF rotation swaps the sides; the draft is taken before it

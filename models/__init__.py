@@ -13,16 +13,19 @@ from .loading import (
     transformers_tower,
     vlm_config,
 )
+from .internvl import InternVLEncoder
 from .presets import PRESETS, resolve_preset
 from .processing import InvalidItemError, VisionPreprocessor
 from .protocol import EncoderOutput, ItemOutput, ItemSpec, PackCapacityError, PackLayout, TensorSpec, VisionEncoder
 from .qwen import QwenVisionEncoder
+from .tiling import TilePreprocessor
 
 __all__ = [
     "FAMILIES",
     "PRESETS",
     "CheckpointError",
     "EncoderOutput",
+    "InternVLEncoder",
     "InvalidItemError",
     "ItemOutput",
     "ItemSpec",
@@ -30,6 +33,7 @@ __all__ = [
     "PackLayout",
     "QwenVisionEncoder",
     "TensorSpec",
+    "TilePreprocessor",
     "VisionEncoder",
     "VisionPreprocessor",
     "family_class",

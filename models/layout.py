@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .protocol import PackCapacityError
+from .protocol import ItemSpec, PackCapacityError, PackLayout
 
 PADDING_BLOCK = 128
 """Padding segments are cut to this many rows where slots allow: FlashAttention's query block."""
@@ -99,3 +99,19 @@ def padded_rows(
 def segment_lengths(specs) -> list[int]:
     """Attention segment lengths of items in pack order: one per frame (temporal patch)."""
     return [s.frame_patches for s in specs for _ in range(s.grid_thw[0])]
+
+
+def exact_layout(specs: Sequence[ItemSpec]) -> PackLayout:
+    """The unpadded layout of exactly these items: their tokens, longest frame and frames."""
+    tokens = sum(s.output_tokens for s in specs)
+    segments = sum(s.grid_thw[0] for s in specs)
+    return PackLayout(tokens, max((s.frame_patches for s in specs), default=1), segments)
+
+
+def pack_rows(specs: Sequence[ItemSpec], layout: PackLayout, merge_unit: int) -> int:
+    """The layout's input rows; PackCapacityError when the items' patches exceed them."""
+    rows = layout.token_budget * merge_unit
+    used = sum(s.input_patches for s in specs)
+    if used > rows:
+        raise PackCapacityError(f"{used} patches exceed the layout's {rows}")
+    return rows

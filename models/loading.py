@@ -1,13 +1,17 @@
 """Building encoders: from a preset (random weights) or from a checkpoint (dir or hub id).
 
 A checkpoint is either a full VLM (`...ForConditionalGeneration`; only the vision weights are
-read, under `model.visual.` or `visual.`) or a vision-only tower saved by `save_pretrained`.
-Loading is strict: a missing or unexpected key is an error that names it.
+read, under the family's `checkpoint_prefixes`: Qwen's `model.visual.` or `visual.`, InternVL's
+`model.vision_tower.` and `model.multi_modal_projector.`, or the same without `model.`) or a
+vision-only one: a Qwen tower saved by `save_pretrained`, or an InternVL VLM config with only
+the tower's and projector's weights. Loading is strict: a missing or unexpected key is an error
+that names it. What differs between families is behind each family class's building hooks
+(`vlm_config`, `preset_tower_config`, `checkpoint_tower_config`, `build_tower`,
+`make_preprocessor`, `transformers_reference`).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 from pathlib import Path
@@ -15,36 +19,32 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .presets import PRESETS, Preset, resolve_preset, vlm_token_ids
+from .internvl import InternVLEncoder
+from .presets import PRESETS, Preset, resolve_preset
 from .processing import VisionPreprocessor
 from .qwen import QwenVisionEncoder
 from .qwen2_5_vl import Qwen2_5_VLEncoder
 from .qwen2_vl import Qwen2VLEncoder
 from .qwen3_vl import Qwen3VLEncoder
+from .tiling import TilePreprocessor
 
 logger = logging.getLogger(__name__)
 
-FAMILIES: dict[str, type[QwenVisionEncoder]] = {
-    cls.family: cls for cls in (Qwen2VLEncoder, Qwen2_5_VLEncoder, Qwen3VLEncoder)
+Encoder = QwenVisionEncoder | InternVLEncoder
+Preprocessor = VisionPreprocessor | TilePreprocessor
+FAMILIES: dict[str, type[Encoder]] = {
+    cls.family: cls for cls in (Qwen2VLEncoder, Qwen2_5_VLEncoder, Qwen3VLEncoder, InternVLEncoder)
 }
-VISION_PREFIXES = ("model.visual.", "visual.")
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot serve as this service's vision tower."""
 
 
-def family_class(family: str) -> type[QwenVisionEncoder]:
+def family_class(family: str) -> type[Encoder]:
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; known families: {', '.join(FAMILIES)}")
     return FAMILIES[family]
-
-
-def _build_tower(cls: type[QwenVisionEncoder], config, dtype: torch.dtype, device: torch.device | str):
-    # Built under the target dtype (not `.to(dtype)` afterwards) so that rotary `inv_freq`
-    # buffers stay float32, as with transformers' own `from_pretrained`.
-    with torch.device(device):
-        return cls.tower_class._from_config(config, dtype=dtype)
 
 
 def from_preset(
@@ -53,51 +53,49 @@ def from_preset(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = 0,
-) -> QwenVisionEncoder:
+) -> Encoder:
     """An encoder with random weights (seeded) in a preset's shape."""
     found = preset if isinstance(preset, Preset) else resolve_preset(family, preset)
     cls = family_class(found.family)
     torch.manual_seed(seed)
-    tower = _build_tower(cls, cls.config_class(**found.vision_config), dtype, device)
-    return cls(tower, _preset_preprocessor(found), name=found.name)
+    config = cls.preset_tower_config(found)
+    tower = cls.build_tower(config, dtype, device)
+    return cls(tower, _preset_preprocessor(found, config), name=found.name)
 
 
 def transformers_tower(
-    encoder: QwenVisionEncoder, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    encoder: Encoder, dtype: torch.dtype | None = None, device: torch.device | str | None = None
 ) -> torch.nn.Module:
-    """A fresh transformers tower of the encoder's class and config holding its weights, as users
-    run it: untouched modules (the Conv3d patch embedding) and sdpa attention. The independent
-    reference for tests and the "HF" column of the benchmarks."""
-    config = copy.deepcopy(encoder.tower.config)
-    config._attn_implementation = "sdpa"
-    tower = _build_tower(type(encoder), config, dtype or encoder.dtype, device or encoder.device)
-    tower.load_state_dict(encoder.tower.state_dict(), strict=True)
-    return tower.eval().requires_grad_(False)
+    """transformers' own model holding the encoder's weights, run as users run it (untouched modules,
+    sdpa attention): the independent reference for tests and the "HF" column of the benchmarks.
+    Qwen: the family's vision tower (`tower(pixel_values, grid_thw)`); InternVL: an `InternVLModel`
+    (`get_image_features(pixel_values)`)."""
+    return type(encoder).transformers_reference(encoder, dtype or encoder.dtype, device or encoder.device)
 
 
-def _preset_preprocessor(preset: Preset) -> VisionPreprocessor:
+def _preset_preprocessor(preset: Preset, config) -> Preprocessor:
     cls = family_class(preset.family)
-    return VisionPreprocessor(
-        cls.image_processor_class(**preset.image_processor),
-        cls.video_processor_class(**preset.video_processor),
-        cls.resize_rules,
+    return cls.make_preprocessor(
+        cls.image_processor_class(**preset.image_processor), cls.video_processor_class(**preset.video_processor), config
     )
 
 
 def load_preprocessor(
     preset: str | None = None, family: str | None = None, path: str | None = None
-) -> tuple[str, VisionPreprocessor]:
+) -> tuple[str, Preprocessor]:
     """(family, preprocessor) of a preset or checkpoint, without building the tower (for routers)."""
     if path is not None:
         directory = resolve_checkpoint_dir(path)
-        found_family, _ = _detect_family(_read_config(directory), directory)
+        config = _read_config(directory)
+        found_family, full_vlm = _detect_family(config, directory)
         if family is not None and family != found_family:
             raise CheckpointError(
                 f"checkpoint {directory} is a {found_family} model, but family {family!r} was requested"
             )
-        return found_family, _load_processors(FAMILIES[found_family], directory)
+        cls = FAMILIES[found_family]
+        return found_family, _load_processors(cls, directory, cls.checkpoint_tower_config(config, full_vlm))
     found = resolve_preset(family, preset or "tiny")
-    return found.family, _preset_preprocessor(found)
+    return found.family, _preset_preprocessor(found, family_class(found.family).preset_tower_config(found))
 
 
 def vlm_config(preset: str | Preset, family: str | None = None):
@@ -105,13 +103,7 @@ def vlm_config(preset: str | Preset, family: str | None = None):
     found = preset if isinstance(preset, Preset) else resolve_preset(family, preset)
     if found.text_config is None:
         raise ValueError(f"preset {found.name!r} has no language-model config; load a checkpoint instead")
-    cls = family_class(found.family)
-    return cls.vlm_config_class(
-        vision_config=found.vision_config,
-        text_config=found.text_config,
-        tie_word_embeddings=found.tie_word_embeddings,
-        **vlm_token_ids(found.special_tokens),
-    )
+    return family_class(found.family).vlm_config(found)
 
 
 def resolve_checkpoint_dir(path_or_id: str) -> Path:
@@ -158,24 +150,27 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def read_vision_state_dict(directory: Path, full_vlm: bool) -> dict[str, torch.Tensor]:
-    """The tower's weights, prefixes stripped; reads only the vision keys from each file."""
+def read_vision_state_dict(directory: Path, prefixes: dict[str, str] | None) -> dict[str, torch.Tensor]:
+    """The tower's weights; reads only the vision keys from each file. `prefixes`: checkpoint key
+    prefix -> tower key prefix (None: keys as saved, a vision-only tower)."""
     state: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(directory):
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():
-                if not full_vlm:
+                if prefixes is None:
                     state[key] = handle.get_tensor(key)
                     continue
-                for prefix in VISION_PREFIXES:
+                for prefix, tower_prefix in prefixes.items():
                     if key.startswith(prefix):
-                        state[key[len(prefix) :]] = handle.get_tensor(key)
+                        state[tower_prefix + key[len(prefix) :]] = handle.get_tensor(key)
+                        break
     if not state:
-        raise CheckpointError(f"no vision-tower weights (keys under {' or '.join(VISION_PREFIXES)}) in {directory}")
+        under = " or ".join(prefixes) if prefixes else "any name"
+        raise CheckpointError(f"no vision-tower weights (keys under {under}) in {directory}")
     return state
 
 
-def _load_processors(cls: type[QwenVisionEncoder], directory: Path) -> VisionPreprocessor:
+def _load_processors(cls: type[Encoder], directory: Path, config) -> Preprocessor:
     """The checkpoint's processors: their own config files, or (transformers >= 5.2x saves them
     nested) `processor_config.json`; else the family's published defaults, with a warning."""
     nested = {}
@@ -192,10 +187,10 @@ def _load_processors(cls: type[QwenVisionEncoder], directory: Path) -> VisionPre
         logger.warning("%s has no %s; using %s's published defaults", directory, filename, defaults.name)
         return processor_class(**default)
 
-    return VisionPreprocessor(
+    return cls.make_preprocessor(
         load(cls.image_processor_class, "preprocessor_config.json", "image_processor", defaults.image_processor),
         load(cls.video_processor_class, "video_preprocessor_config.json", "video_processor", defaults.video_processor),
-        cls.resize_rules,
+        config,
     )
 
 
@@ -204,7 +199,7 @@ def from_checkpoint(
     family: str | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-) -> QwenVisionEncoder:
+) -> Encoder:
     """Load the vision tower and processors of a checkpoint directory or hub id."""
     directory = resolve_checkpoint_dir(path_or_id)
     config = _read_config(directory)
@@ -212,9 +207,9 @@ def from_checkpoint(
     if family is not None and family != found_family:
         raise CheckpointError(f"checkpoint {directory} is a {found_family} model, but family {family!r} was requested")
     cls = FAMILIES[found_family]
-    vision_config = cls.config_class(**(config["vision_config"] if full_vlm else config))
-    tower = _build_tower(cls, vision_config, dtype, device)
-    state = read_vision_state_dict(directory, full_vlm)
+    tower_config = cls.checkpoint_tower_config(config, full_vlm)
+    tower = cls.build_tower(tower_config, dtype, device)
+    state = read_vision_state_dict(directory, cls.checkpoint_prefixes if full_vlm else None)
     missing, unexpected = _key_mismatch(tower, state)
     if missing or unexpected:
         raise CheckpointError(
@@ -224,7 +219,7 @@ def from_checkpoint(
         )
     tower.load_state_dict(state, strict=True)
     logger.info("loaded %s vision tower (%d tensors) from %s", found_family, len(state), directory)
-    return cls(tower, _load_processors(cls, directory), name=str(path_or_id))
+    return cls(tower, _load_processors(cls, directory, tower_config), name=str(path_or_id))
 
 
 def _key_mismatch(tower: torch.nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:

@@ -48,6 +48,23 @@ QWEN3_VIDEO_PROCESSOR = {
 }
 
 
+IMAGENET_MEAN = [0.485, 0.456, 0.406]
+IMAGENET_STD = [0.229, 0.224, 0.225]
+
+# InternVL (2.5/3/3.5, as converted to transformers): 448 px tiles, 1-12 of them plus a thumbnail.
+INTERNVL_IMAGE_PROCESSOR = {
+    "size": {"height": 448, "width": 448},
+    "min_patches": 1,
+    "max_patches": 12,
+    "image_mean": IMAGENET_MEAN,
+    "image_std": IMAGENET_STD,
+}
+INTERNVL_VIDEO_PROCESSOR = {
+    "size": {"height": 448, "width": 448},
+    "image_mean": IMAGENET_MEAN,
+    "image_std": IMAGENET_STD,
+}
+
 # Special tokens of the tiny presets' vocabulary (the ids a tiny tokenizer must use).
 TINY_SPECIAL_TOKENS = {
     "<|endoftext|>": 1000,
@@ -84,6 +101,33 @@ QWEN_SPECIAL_TOKENS = {
     "<|video_pad|>": 151656,
 }
 
+
+# InternVL's prompt tokens: `<img>` + one `<IMG_CONTEXT>` per output token + `</img>` per image;
+# `<video>` is the placeholder InternVLProcessor expands into frames.
+TINY_INTERNVL_SPECIAL_TOKENS = {
+    "<|endoftext|>": 1000,
+    "<|im_start|>": 1001,
+    "<|im_end|>": 1002,
+    "<img>": 1003,
+    "</img>": 1004,
+    "<IMG_CONTEXT>": 1005,
+    "<video>": 1006,
+}
+TINY_INTERNVL_TEXT_CONFIG = {
+    "model_type": "qwen2",
+    **{k: v for k, v in TINY_TEXT_CONFIG.items() if k != "rope_parameters"},
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "max_position_embeddings": 16384,  # 256 tokens per tile: a prompt of a few images is thousands long
+}
+# The released InternVL3 tokenizers' ids (Qwen2.5's vocabulary plus InternVL's image tokens).
+INTERNVL_SPECIAL_TOKENS = {
+    "<|endoftext|>": 151643,
+    "<|im_start|>": 151644,
+    "<|im_end|>": 151645,
+    "<img>": 151665,
+    "</img>": 151666,
+    "<IMG_CONTEXT>": 151667,
+}
 
 def vlm_token_ids(special_tokens: dict[str, int]) -> dict[str, int]:
     """The VLM config's token-id fields for a vocabulary's special tokens."""
@@ -135,6 +179,60 @@ def _qwen3_text(hidden: int, intermediate: int, layers: int, heads: int) -> dict
         max_position_embeddings=262144,
         rope_parameters=_QWEN3_ROPE,
     )
+
+
+def _internvl(name: str, text: dict[str, Any], special_tokens: dict[str, int], tie: bool, **vision: Any) -> Preset:
+    return Preset(
+        name,
+        "internvl",
+        vision,
+        INTERNVL_IMAGE_PROCESSOR,
+        INTERNVL_VIDEO_PROCESSOR,
+        text_config=text,
+        special_tokens=special_tokens,
+        tie_word_embeddings=tie,
+    )
+
+
+def _internvl3_text(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int) -> dict[str, Any]:
+    """InternVL3's Qwen2.5 language model, as in the `-hf` checkpoints' `text_config`."""
+    return dict(
+        model_type="qwen2",
+        vocab_size=151674,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        bos_token_id=INTERNVL_SPECIAL_TOKENS["<|endoftext|>"],
+        eos_token_id=INTERNVL_SPECIAL_TOKENS["<|im_end|>"],
+        pad_token_id=INTERNVL_SPECIAL_TOKENS["<|endoftext|>"],
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1000000.0},
+    )
+
+
+# InternViT-300M-448px-V2_5, the vision tower of InternVL3-1B, -2B and -8B (`vision_config` of the
+# `-hf` checkpoints; transformers' InternVLVisionConfig defaults fill the rest: 448 px, patch 14,
+# layer norm, no qk norm, layer scale, mean pooling, i.e. no final norm).
+_INTERNVIT_300M = dict(
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    attention_bias=True,
+    hidden_act="gelu",
+    layer_norm_eps=1e-6,
+)
+_INTERNVIT_TINY = {
+    **_INTERNVIT_300M,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
 
 
 def _with_text(preset: Preset, **text: Any) -> Preset:
@@ -300,6 +398,22 @@ PRESETS: dict[str, Preset] = {
             ),
             False,
             **_qwen3_text(hidden=4096, intermediate=12288, layers=36, heads=32),
+        ),
+        _internvl(
+            "internvl-tiny",
+            TINY_INTERNVL_TEXT_CONFIG,
+            TINY_INTERNVL_SPECIAL_TOKENS,
+            False,
+            **_INTERNVIT_TINY,
+        ),
+        _internvl(
+            "internvl3-1b", _internvl3_text(896, 4864, 24, 14, 2), INTERNVL_SPECIAL_TOKENS, True, **_INTERNVIT_300M
+        ),
+        _internvl(
+            "internvl3-2b", _internvl3_text(1536, 8960, 28, 12, 2), INTERNVL_SPECIAL_TOKENS, True, **_INTERNVIT_300M
+        ),
+        _internvl(
+            "internvl3-8b", _internvl3_text(3584, 18944, 28, 28, 4), INTERNVL_SPECIAL_TOKENS, False, **_INTERNVIT_300M
         ),
     ]
 }

@@ -14,6 +14,7 @@ lives in one place per family.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from typing import ClassVar
@@ -24,9 +25,10 @@ from transformers.activations import GELUTanh
 from transformers.vision_utils import get_vision_position_ids
 
 from . import attention
-from .layout import padded_cu_seqlens, padded_rows, segment_lengths
+from .layout import exact_layout, pack_rows, padded_cu_seqlens, padded_rows, segment_lengths
+from .presets import vlm_token_ids
 from .processing import ResizeRules, VisionPreprocessor
-from .protocol import EncoderOutput, ItemSpec, PackCapacityError, PackLayout, TensorSpec
+from .protocol import EncoderOutput, ItemSpec, PackLayout, TensorSpec
 
 
 class PatchLinear(torch.nn.Module):
@@ -202,6 +204,51 @@ class QwenVisionEncoder:
     resize_rules: ClassVar[ResizeRules]
     checkpoint_model_types: ClassVar[tuple[str, ...]]
     """`model_type` of the full VLM config and of its vision config, as saved by transformers."""
+    checkpoint_prefixes: ClassVar[dict[str, str]] = {"model.visual.": "", "visual.": ""}
+    """A full VLM checkpoint's key prefix (newer, older) -> the tower's."""
+
+    # ---- building (called by `models.loading`) ----
+
+    @classmethod
+    def vlm_config(cls, preset):
+        """The full VLM config (vision + language) of a preset."""
+        return cls.vlm_config_class(
+            vision_config=preset.vision_config,
+            text_config=preset.text_config,
+            tie_word_embeddings=preset.tie_word_embeddings,
+            **vlm_token_ids(preset.special_tokens),
+        )
+
+    @classmethod
+    def preset_tower_config(cls, preset):
+        return cls.config_class(**preset.vision_config)
+
+    @classmethod
+    def checkpoint_tower_config(cls, config: dict, full_vlm: bool):
+        return cls.config_class(**(config["vision_config"] if full_vlm else config))
+
+    @classmethod
+    def build_tower(cls, config, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
+        # Built under the target dtype (not `.to(dtype)` afterwards) so that rotary `inv_freq`
+        # buffers stay float32, as with transformers' own `from_pretrained`.
+        with torch.device(device):
+            return cls.tower_class._from_config(config, dtype=dtype)
+
+    @classmethod
+    def make_preprocessor(cls, image_processor, video_processor, config) -> VisionPreprocessor:
+        return VisionPreprocessor(image_processor, video_processor, cls.resize_rules)
+
+    @classmethod
+    def transformers_reference(
+        cls, encoder: QwenVisionEncoder, dtype: torch.dtype, device: torch.device | str
+    ) -> torch.nn.Module:
+        """A fresh tower of the encoder's class and config holding its weights, as users run it:
+        untouched modules (the Conv3d patch embedding) and sdpa attention."""
+        config = copy.deepcopy(encoder.tower.config)
+        config._attn_implementation = "sdpa"
+        tower = cls.build_tower(config, dtype, device)
+        tower.load_state_dict(encoder.tower.state_dict(), strict=True)
+        return tower.eval().requires_grad_(False)
 
     def __init__(self, tower: torch.nn.Module, preprocessor: VisionPreprocessor, name: str):
         self.name = name
@@ -245,9 +292,7 @@ class QwenVisionEncoder:
 
     def exact_layout(self, specs: Sequence[ItemSpec]) -> PackLayout:
         """The unpadded layout of exactly these items (used by the eager path)."""
-        tokens = sum(s.output_tokens for s in specs)
-        segments = sum(s.grid_thw[0] for s in specs)
-        return PackLayout(tokens, max((s.frame_patches for s in specs), default=1), segments)
+        return exact_layout(specs)
 
     def metadata_specs(self, layout: PackLayout) -> dict[str, TensorSpec]:
         rows = layout.token_budget * self.merge_unit
@@ -257,10 +302,7 @@ class QwenVisionEncoder:
         }
 
     def pack_metadata(self, specs: Sequence[ItemSpec], layout: PackLayout) -> dict[str, torch.Tensor]:
-        rows = layout.token_budget * self.merge_unit
-        used = sum(s.input_patches for s in specs)
-        if used > rows:
-            raise PackCapacityError(f"{used} patches exceed the layout's {rows}")
+        rows = pack_rows(specs, layout, self.merge_unit)
         lengths = segment_lengths(specs)
         positions = [_position_ids(s.grid_thw, self.spatial_merge_size) for s in specs]
         return {

@@ -2,9 +2,11 @@
 
 `save_tiny_vlm` writes random weights in a family's tiny preset shape, plus a processor
 that `AutoProcessor.from_pretrained` restores as the family's own class (Qwen2VLProcessor,
-...): the tiny preset's image and video processors, a byte-level BPE tokenizer trained here
-on a few paragraphs (ids 0..999, then the special tokens of `TINY_SPECIAL_TOKENS`) and a
-Qwen2-VL chat template. Nothing is downloaded; tests and demos use it in place of a hub repo.
+InternVLProcessor, ...): the tiny preset's image and video processors, a byte-level BPE
+tokenizer trained here on a few paragraphs (ids 0..999, then the preset's special tokens:
+`TINY_SPECIAL_TOKENS`, InternVL's `TINY_INTERNVL_SPECIAL_TOKENS`) and the family's chat
+template (Qwen2-VL's; InternVL's). Nothing is downloaded; tests and demos use it in place of a
+hub repo.
 """
 
 from __future__ import annotations
@@ -15,15 +17,27 @@ from pathlib import Path
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
 from tokenizers.models import BPE
-from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
+from transformers import (
+    InternVLProcessor,
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLProcessor,
+    Qwen2VLProcessor,
+    Qwen3VLProcessor,
+)
 
+from .internvl_tower import randomize_embeddings
 from .loading import family_class, vlm_config
-from .presets import TINY_SPECIAL_TOKENS, TINY_TEXT_CONFIG, resolve_preset
+from .presets import TINY_SPECIAL_TOKENS, TINY_TEXT_CONFIG, Preset, resolve_preset
 
 BASE_VOCAB_SIZE = 1000
 """Ids below this are byte-level BPE tokens; the special tokens follow (`TINY_SPECIAL_TOKENS`)."""
 
-PROCESSOR_CLASSES = {"qwen2-vl": Qwen2VLProcessor, "qwen2.5-vl": Qwen2_5_VLProcessor, "qwen3-vl": Qwen3VLProcessor}
+PROCESSOR_CLASSES = {
+    "qwen2-vl": Qwen2VLProcessor,
+    "qwen2.5-vl": Qwen2_5_VLProcessor,
+    "qwen3-vl": Qwen3VLProcessor,
+    "internvl": InternVLProcessor,
+}
 
 # Qwen2's pre-tokenizer split (as in transformers' Qwen2Tokenizer), so that loading this
 # tokenizer through Qwen2Tokenizer, which rebuilds its pipeline from vocab and merges, encodes alike.
@@ -52,6 +66,34 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+# InternVL's chat template, as transformers' InternVL conversion writes it: `<|im_start|>role\n...
+# <|im_end|>\n` turns, one `<IMG_CONTEXT>\n` per image (InternVLProcessor expands it to
+# `<img>` + one `<IMG_CONTEXT>` per output token + `</img>`) and `<video>\n` per video.
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\n' }}"
+    "{% elif content['type'] == 'video' %}{{ '<video>\n' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CHAT_TEMPLATES = {"internvl": INTERNVL_CHAT_TEMPLATE}
+"""Chat template per family (Qwen2-VL's, `CHAT_TEMPLATE`, for the others)."""
+TOKENIZER_ATTRIBUTES = {
+    "internvl": {
+        "start_image_token": "<img>",
+        "end_image_token": "</img>",
+        "context_image_token": "<IMG_CONTEXT>",
+        "video_token": "<video>",
+    }
+}
+"""Named special tokens a family's processor reads from its tokenizer (`tokenizer.start_image_token`, ...)."""
 
 CORPUS = """\
 The harbor wakes before the town does. Fishing boats slip out past the breakwater while the \
@@ -128,9 +170,26 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     return build_tokenizer(TINY_SPECIAL_TOKENS, TINY_TEXT_CONFIG["max_position_embeddings"])
 
 
-def build_tokenizer(special_tokens: dict[str, int], model_max_length: int) -> PreTrainedTokenizerFast:
+def build_preset_tokenizer(preset: Preset) -> PreTrainedTokenizerFast:
+    """The tokenizer of a random-weight preset: its special tokens at their ids, its family's chat template
+    and named tokens."""
+    return build_tokenizer(
+        preset.special_tokens,
+        preset.text_config["max_position_embeddings"],
+        CHAT_TEMPLATES.get(preset.family, CHAT_TEMPLATE),
+        TOKENIZER_ATTRIBUTES.get(preset.family),
+    )
+
+
+def build_tokenizer(
+    special_tokens: dict[str, int],
+    model_max_length: int,
+    chat_template: str = CHAT_TEMPLATE,
+    named_tokens: dict[str, str] | None = None,
+) -> PreTrainedTokenizerFast:
     """A small byte-level BPE vocabulary with the special tokens at exactly these ids (for random-weight
-    presets of real models too: their specials sit at 151643+; the ids between are placeholders)."""
+    presets of real models too: their specials sit at 151643+; the ids between are placeholders).
+    `named_tokens`: attribute name -> token, for processors that read them (InternVL's)."""
     first = min(special_tokens.values())
     vocab, merges = _trained_vocab_and_merges(first)
     backend = _with_qwen_pipeline(Tokenizer(BPE(vocab=vocab, merges=merges)))
@@ -145,7 +204,8 @@ def build_tokenizer(special_tokens: dict[str, int], model_max_length: int) -> Pr
         pad_token="<|endoftext|>",
         clean_up_tokenization_spaces=False,
         model_max_length=model_max_length,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
+        **({"extra_special_tokens": named_tokens} if named_tokens else {}),
     )
 
 
@@ -153,11 +213,19 @@ def build_tiny_processor(family: str):
     """The family's transformers processor: the tiny preset's image and video processors, the tiny tokenizer."""
     cls = family_class(family)
     preset = resolve_preset(family, "tiny")
+    tokenizer = build_preset_tokenizer(preset)
+    image_processor = cls.image_processor_class(**preset.image_processor)
+    video_processor = cls.video_processor_class(**preset.video_processor)
+    extra = {}
+    if family == "internvl":  # its placeholder count per tile, which the processor does not derive
+        config = cls.preset_tower_config(preset)
+        extra["image_seq_length"] = cls.make_preprocessor(image_processor, video_processor, config).tile_tokens
     return PROCESSOR_CLASSES[family](
-        image_processor=cls.image_processor_class(**preset.image_processor),
-        tokenizer=build_tiny_tokenizer(),
-        video_processor=cls.video_processor_class(**preset.video_processor),
-        chat_template=CHAT_TEMPLATE,
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=tokenizer.chat_template,
+        **extra,
     )
 
 
@@ -165,6 +233,9 @@ def save_tiny_vlm(family: str, directory: str | Path, seed: int = 0) -> torch.nn
     """Write a tiny full VLM (seeded random weights) and its processor to `directory`; return the model."""
     torch.manual_seed(seed)
     model = family_class(family).vlm_class(vlm_config("tiny", family)).eval()
+    vision_tower = getattr(model.model, "vision_tower", None)
+    if vision_tower is not None:  # InternVL: nonzero class token and position embeddings
+        randomize_embeddings(vision_tower, torch.Generator().manual_seed(seed))
     model.save_pretrained(directory)
     processor = build_tiny_processor(family)
     processor.save_pretrained(directory)

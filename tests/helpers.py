@@ -27,6 +27,14 @@ def reference_item(tower, pixel_values: torch.Tensor, grid_thw) -> tuple[torch.T
     return out.pooler_output, (torch.stack(deepstack) if deepstack else None)
 
 
+@torch.inference_mode()
+def reference_tiles(model, pixel_values: torch.Tensor) -> torch.Tensor:
+    """transformers' InternVL `get_image_features` on one item's `[tiles, 3, H, W]` pixels, as users
+    call it: its tokens tile after tile."""
+    device = next(model.parameters()).device
+    return model.get_image_features(pixel_values.to(device)).pooler_output.flatten(0, 1)
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected|, in float32."""
     expected = expected.float()

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from tests.helpers import reference_item
+from tests.helpers import reference_item, reference_tiles
 
 
 def pattern(width: int, height: int, seed: int = 0) -> Image.Image:
@@ -41,8 +41,12 @@ def decode_embedding(entry: dict) -> torch.Tensor:
 
 
 def reference_image(encoder, tower, data: bytes) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-    """transformers' processor and tower on the decoded file, as a user would run them."""
+    """transformers' processor and tower on the decoded file, as a user would run them (InternVL:
+    its image processor tiling as InternVLProcessor asks it to, then `get_image_features`)."""
     image = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
+    if encoder.family == "internvl":
+        pixels = encoder.preprocessor.image_processor(images=[image], crop_to_patches=True, return_tensors="pt")
+        return internvl_reference(encoder, tower, pixels["pixel_values"])
     inputs = encoder.preprocessor.image_processor(images=[image], return_tensors="pt")
     grid = inputs["image_grid_thw"][0].tolist()
     tokens, deepstack = reference_item(tower, inputs["pixel_values"], grid)
@@ -51,9 +55,18 @@ def reference_image(encoder, tower, data: bytes) -> tuple[torch.Tensor, torch.Te
 
 def reference_video(encoder, tower, frames: list[bytes]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
     clip = np.stack([np.asarray(Image.open(io.BytesIO(f)).convert("RGB")) for f in frames])
+    if encoder.family == "internvl":
+        video = torch.from_numpy(clip).permute(0, 3, 1, 2)
+        pixels = encoder.preprocessor.video_processor(videos=[video], return_tensors="pt")["pixel_values_videos"]
+        return internvl_reference(encoder, tower, pixels[0])
     inputs = encoder.preprocessor.video_processor(
         videos=[torch.from_numpy(clip).permute(0, 3, 1, 2)], do_sample_frames=False, return_tensors="pt"
     )
     grid = inputs["video_grid_thw"][0].tolist()
     tokens, deepstack = reference_item(tower, inputs["pixel_values_videos"], grid)
     return tokens, deepstack, grid
+
+
+def internvl_reference(encoder, model, pixels: torch.Tensor) -> tuple[torch.Tensor, None, list[int]]:
+    """(tokens, no deepstack, grid) of one InternVL item's `[tiles, 3, H, W]` pixels."""
+    return reference_tiles(model, pixels), None, [pixels.shape[0], *encoder.preprocessor.tile_grid]
