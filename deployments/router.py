@@ -51,6 +51,15 @@ def set_proxy_access_log(enabled: bool) -> None:
         logger.warning("could not set the proxies' access log to %s", enabled, exc_info=True)
 
 
+def attach_hint(app_name: str) -> str:
+    """How a Python process on a node of this cluster gets this application's handle."""
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    env = "RAY_AUTH_MODE=token " if is_token_auth_enabled() else ""
+    address = ray.get_runtime_context().gcs_address
+    return f"{env}RAY_ADDRESS={address} python, then ray.init(address='auto'); serve.get_app_handle({app_name!r})"
+
+
 DESCRIBE_TIMEOUT_S = 2.0
 """How long `/v1/models/{id}` waits for an encoder replica's own description."""
 
@@ -82,12 +91,10 @@ class EncoderRouter:
         api.state.router = self  # the serving app's handlers reach the router through this
         set_proxy_access_log(config.router.log_requests)
         logger.info(
-            "router ready in %.1f s (%d decode workers); attach from Python with "
-            "ray.init(address=%r) and serve.get_app_handle(%r)",
+            "router ready in %.1f s (%d decode workers). Attach from Python: %s",
             time.perf_counter() - start,
             self.intake.pool.size,
-            ray.get_runtime_context().gcs_address,
-            serve.get_replica_context().app_name,
+            attach_hint(serve.get_replica_context().app_name),
         )
 
     def _set_gauges(self) -> None:
