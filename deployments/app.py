@@ -17,6 +17,9 @@ from __future__ import annotations
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from encoder_graphs.config import Ladder, budget_ladder
+from models import load_preprocessor
+
 from .config import AppConfig
 from .encoder import EncoderReplica
 from .llm import LLMReplica
@@ -38,11 +41,20 @@ def encoder_deployment(config: AppConfig):
     )
 
 
+def deployment_ladder(config: AppConfig) -> Ladder:
+    """The budget ladder of the deployment, computed once here and handed to the router and
+    every encoder replica (from the processor's smallest item; no weights loaded)."""
+    model = config.model
+    _, preprocessor = load_preprocessor(model.preset, model.family, model.path)
+    return budget_ladder(config.graphs, preprocessor.min_item_tokens)
+
+
 def build_app(args: AppConfig) -> Application:
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
-    encoder = encoder_deployment(config).bind(config)
+    ladder = deployment_ladder(config)
+    encoder = encoder_deployment(config).bind(config, ladder)
     llm = None
     if config.llm is not None:
         resources = {"num_cpus": 1, "num_gpus": 1 if config.llm.device == "cuda" else 0}
         llm = LLMReplica.options(ray_actor_options=resources).bind(config)
-    return EncoderRouter.bind(config, encoder, llm)
+    return EncoderRouter.bind(config, encoder, llm, ladder)

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from encoder_graphs.runner import build_ladder
+from encoder_graphs.config import Ladder
 from models import load_preprocessor
 from models.protocol import ItemOutput
 
@@ -78,19 +78,20 @@ class EncodeResult:
 @serve.deployment(max_ongoing_requests=256)
 @serve.ingress(api)
 class EncoderRouter:
-    def __init__(self, config: AppConfig, encoder: DeploymentHandle, llm: DeploymentHandle | None = None):
+    def __init__(
+        self, config: AppConfig, encoder: DeploymentHandle, llm: DeploymentHandle | None, ladder: Ladder
+    ):
         self.config = config
         self.encoder = encoder
         self.llm = llm
         self.embedding_bytes_received = 0
         model = config.model
         self.family, self.preprocessor = load_preprocessor(model.preset, model.family, model.path)
-        graphs = config.graphs.to_config()
-        self.ladder, max_items = build_ladder(graphs, self.preprocessor.min_item_tokens)
+        self.ladder = ladder.budgets  # the app builder's, as every encoder replica's
         self.scheduler = PackScheduler(
-            self.ladder,
-            max_items,
-            graphs.max_segments_per_pack or 2 * max_items,
+            ladder.budgets,
+            ladder.max_items,
+            ladder.max_segments,
             self._dispatch,
             max_wait_s=config.router.max_wait_ms / 1e3,
             target_fill=config.router.target_fill,

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .attention import AttentionBackend
 from .presets import PRESETS, Preset, resolve_preset, vlm_token_ids
 from .processing import VisionPreprocessor
 from .qwen import QwenVisionEncoder
@@ -53,13 +54,14 @@ def from_preset(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    attention: str | AttentionBackend = "auto",
 ) -> QwenVisionEncoder:
-    """An encoder with random weights (seeded) in a preset's shape."""
+    """An encoder with random weights (seeded) in a preset's shape; `attention`: its kernels."""
     found = preset if isinstance(preset, Preset) else resolve_preset(family, preset)
     cls = family_class(found.family)
     torch.manual_seed(seed)
     tower = _build_tower(cls, cls.config_class(**found.vision_config), dtype, device)
-    return cls(tower, _preset_preprocessor(found), name=found.name)
+    return cls(tower, _preset_preprocessor(found), name=found.name, attention=attention)
 
 
 def transformers_tower(
@@ -204,8 +206,9 @@ def from_checkpoint(
     family: str | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    attention: str | AttentionBackend = "auto",
 ) -> QwenVisionEncoder:
-    """Load the vision tower and processors of a checkpoint directory or hub id."""
+    """Load the vision tower and processors of a checkpoint directory or hub id; `attention`: its kernels."""
     directory = resolve_checkpoint_dir(path_or_id)
     config = _read_config(directory)
     found_family, full_vlm = _detect_family(config, directory)
@@ -224,7 +227,7 @@ def from_checkpoint(
         )
     tower.load_state_dict(state, strict=True)
     logger.info("loaded %s vision tower (%d tensors) from %s", found_family, len(state), directory)
-    return cls(tower, _load_processors(cls, directory), name=str(path_or_id))
+    return cls(tower, _load_processors(cls, directory), name=str(path_or_id), attention=attention)
 
 
 def _key_mismatch(tower: torch.nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
