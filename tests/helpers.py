@@ -27,6 +27,29 @@ def reference_item(tower, pixel_values: torch.Tensor, grid_thw) -> tuple[torch.T
     return out.pooler_output, (torch.stack(deepstack) if deepstack else None)
 
 
+def warmed(encoder, config=None, **options):
+    """An `EncoderRunner` after `prepare` and its whole warm-up, run here synchronously: every
+    graph live. `options`: the runner's other arguments (`ladder`, `compiled_forward`)."""
+    from encoder_graphs.config import GraphConfig
+    from encoder_graphs.runner import EncoderRunner
+
+    runner = EncoderRunner(encoder, config or GraphConfig(), **options)
+    runner.prepare(progress=lambda message: None)
+    runner.warm_up(progress=lambda message: None)
+    return runner
+
+
+class WithForward:
+    """An encoder whose `forward_padded` is replaced (a fault or a delay to inject); everything
+    else, `forward_eager` included, is the wrapped encoder's own."""
+
+    def __init__(self, encoder, forward_padded):
+        self._encoder, self.forward_padded = encoder, forward_padded
+
+    def __getattr__(self, name):
+        return getattr(self._encoder, name)
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected|, in float32."""
     expected = expected.float()
