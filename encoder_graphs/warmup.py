@@ -176,18 +176,17 @@ class WarmUp:
         )
         try:
             for stage, wanted, step in stages:
+                if not wanted:
+                    continue
+                self.stage = stage
+                began = time.perf_counter()
+                step(progress, stop)
                 if stop.is_set():
                     self.stage = "stopped"
+                    progress(f"warm-up stopped during {stage}")
                     return self.status()
-                if wanted:
-                    self.stage = stage
-                    began = time.perf_counter()
-                    step(progress, stop)
-                    self.stage_seconds[stage] = round(time.perf_counter() - began, 3)
-                    progress(f"warm-up: {stage} done in {self.stage_seconds[stage]:.1f} s")
-            if stop.is_set():
-                self.stage = "stopped"
-                return self.status()
+                self.stage_seconds[stage] = round(time.perf_counter() - began, 3)
+                progress(f"warm-up: {stage} done in {self.stage_seconds[stage]:.1f} s")
             self._finish()
         except Exception:
             self.stage = "failed"
