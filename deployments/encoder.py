@@ -72,9 +72,13 @@ def load_encoder(config: AppConfig):
         raise RuntimeError("model.device is 'cuda' but this replica sees no CUDA device (is num_gpus set to 1?)")
     dtype = resolve_dtype(model.dtype, model.device)
     if model.path is not None:
-        encoder = from_checkpoint(model.path, family=model.family, dtype=dtype, device=model.device, attention=model.attention)
+        encoder = from_checkpoint(
+            model.path, family=model.family, dtype=dtype, device=model.device, attention=model.attention
+        )
     else:
-        encoder = from_preset(model.preset, family=model.family, dtype=dtype, device=model.device, attention=model.attention)
+        encoder = from_preset(
+            model.preset, family=model.family, dtype=dtype, device=model.device, attention=model.attention
+        )
     logger.info("attention kernel: %s", encoder.attention.kernel)
     return encoder
 

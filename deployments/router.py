@@ -78,9 +78,7 @@ class EncodeResult:
 @serve.deployment(max_ongoing_requests=256)
 @serve.ingress(api)
 class EncoderRouter:
-    def __init__(
-        self, config: AppConfig, encoder: DeploymentHandle, llm: DeploymentHandle | None, ladder: Ladder
-    ):
+    def __init__(self, config: AppConfig, encoder: DeploymentHandle, llm: DeploymentHandle | None, ladder: Ladder):
         self.config = config
         self.encoder = encoder
         self.llm = llm

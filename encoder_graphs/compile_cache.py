@@ -56,7 +56,7 @@ def environment(device: torch.device) -> dict[str, str]:
     }
     if device.type == "cuda":
         found["gpu"] = torch.cuda.get_device_name(device)
-        found["capability"] = "%d.%d" % torch.cuda.get_device_capability(device)
+        found["capability"] = "{}.{}".format(*torch.cuda.get_device_capability(device))
     return found
 
 

@@ -87,7 +87,9 @@ class GraphConfig:
             value = getattr(self, name)
             _require(value is None or value >= 1, name, "must be >= 1 (or null for the default)", value)
         _require(self.budget_growth > 1, "budget_growth", "must be > 1", self.budget_growth)
-        _require(self.recurring_graphs >= 0, "recurring_graphs", "must be >= 0 (0 turns them off)", self.recurring_graphs)
+        _require(
+            self.recurring_graphs >= 0, "recurring_graphs", "must be >= 0 (0 turns them off)", self.recurring_graphs
+        )
         _require(0 < self.memory_fraction <= 1, "memory_fraction", "must be in (0, 1]", self.memory_fraction)
         _require(self.self_check_tolerance > 0, "self_check_tolerance", "must be > 0", self.self_check_tolerance)
         if self.budgets is not None:
@@ -100,7 +102,9 @@ class GraphConfig:
             "must be two budgets, the first > 0 and below the second (or null)",
             None if finer is None else list(finer),
         )
-        _require(self.compile_cache is None or self.compile_cache != "", "compile_cache", "must be a directory or null", "")
+        _require(
+            self.compile_cache is None or self.compile_cache != "", "compile_cache", "must be a directory or null", ""
+        )
 
 
 def _require(condition: bool, field: str, rule: str, value: object) -> None:

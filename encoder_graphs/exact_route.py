@@ -43,9 +43,7 @@ class ExactRoute:
         """Whether the route serves this pack: live, at least `min_rows`, and one attention launch
         per layer (several dense calls per layer would be host time its measured cost misses)."""
         return (
-            self.live
-            and sum(s.input_patches for s in specs) >= self.min_rows
-            and self.encoder.exact_in_one_call(specs)
+            self.live and sum(s.input_patches for s in specs) >= self.min_rows and self.encoder.exact_in_one_call(specs)
         )
 
     def compile(self, largest_rows: int, progress: Callable[[str], None]) -> None:

@@ -113,7 +113,9 @@ class RecurringGraphs:
                 for name, spec in input_specs(self.encoder, layout).items()
             }
         outputs = self.table.outputs.views(output_specs(self.encoder, layout))
-        entry = GraphEntry((layout.token_budget, layout.max_seqlen), layout, inputs, outputs, specs=tuple(specs), pack=key)
+        entry = GraphEntry(
+            (layout.token_budget, layout.max_seqlen), layout, inputs, outputs, specs=tuple(specs), pack=key
+        )
         self.io.fill(entry, pixel_values, self.encoder.pack_metadata(specs, layout))
         pool_before = self.capturer.pool_bytes() if capturing else 0
         try:

@@ -28,7 +28,6 @@ from .budgets import sample_budgets
 from .buffers import StaticBuffers
 from .entry import LIVE, PENDING, GraphEntry, GraphKey
 from .exact_route import square_image
-from .execute import compile_state
 from .memory import check_fits, fit_memory_model, measure_peak_bytes
 from .route_costs import attention_shapes
 from .selfcheck import best_ms, pack_error, synthetic_pixels, synthetic_specs
@@ -341,7 +340,9 @@ class WarmUp:
         else:  # may compile: CPU attention reads segment lengths on the host, and dynamo guards on them
             runner.io.forward_into(entry)
         deepstack = entry.outputs.get("deepstack")
-        error = pack_error(entry.outputs["tokens"][:tokens], None if deepstack is None else deepstack[:, :tokens], reference)
+        error = pack_error(
+            entry.outputs["tokens"][:tokens], None if deepstack is None else deepstack[:, :tokens], reference
+        )
         entry.self_check_error = error
         if not math.isfinite(error) or error > runner.config.self_check_tolerance:
             runner.table.disable(entry, f"self-check error {error:.3g} > {runner.config.self_check_tolerance}")
@@ -400,6 +401,8 @@ class WarmUp:
                     entry.state = LIVE
             runner.exact.live = bool(self.exact_ok)
             runner.recurring.enabled = True
+            if runner.use_graphs:
+                runner.memory.peak_allocated_bytes = torch.cuda.max_memory_allocated(runner.device)
             self.full_speed = True
             self.stage = "done"
         if runner.compile_cache is not None and runner.forwards.compiled is not None:

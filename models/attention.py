@@ -271,7 +271,9 @@ class AttentionBackend:
             return "cudnn"
         return "flash"
 
-    def dense_on_cuda(self, groups: Sequence[tuple[int, int]], max_seqlen: int, head_dim: int, launch_bound: bool) -> bool:
+    def dense_on_cuda(
+        self, groups: Sequence[tuple[int, int]], max_seqlen: int, head_dim: int, launch_bound: bool
+    ) -> bool:
         """Whether an exact CUDA layout of these runs attends as dense batches (else one varlen launch)."""
         triton = self.kernel == "triton"
         several = len(groups) > 1 and (triton or self.varlen_kernel(max_seqlen, head_dim) == "cudnn")
@@ -309,7 +311,11 @@ class AttentionBackend:
         """Attention over an exact layout: each run of equal segments (from `exact_segments`) as one
         dense batch where that serves; else the varlen kernel (CUDA) or per-segment SDPA (CPU)."""
         groups = self._groups_for(q.shape[0], cu_seqlens.shape[0] - 1)
-        if groups is not None and q.is_cuda and not self.dense_on_cuda(groups, max_seqlen, q.shape[-1], _launch_bound()):
+        if (
+            groups is not None
+            and q.is_cuda
+            and not self.dense_on_cuda(groups, max_seqlen, q.shape[-1], _launch_bound())
+        ):
             groups = None
         if groups is None:
             if not q.is_cuda:

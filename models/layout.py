@@ -93,4 +93,3 @@ def padded_rows(
         index += run
     array[start:] = fill
     return out
-

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
-from pydantic import ValidationError
-
 import dataclasses
 
+import pytest
 import yaml
+from pydantic import ValidationError
 
 from deployments.config import AppConfig
 from encoder_graphs.config import GraphConfig

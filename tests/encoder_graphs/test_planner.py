@@ -4,11 +4,12 @@ of fixed tiles with plain dense attention per tile and no varlen metadata (as In
 from __future__ import annotations
 
 import contextlib
+
 import pytest
 import torch
 
 from encoder_graphs.config import GraphConfig
-from encoder_graphs.plan import EagerPlan, GraphPlan, Planner
+from encoder_graphs.plan import EagerPlan, GraphPlan
 from encoder_graphs.runner import EncoderRunner
 from models.protocol import EncoderOutput, ItemSpec, PackCapacityError, PackLayout, VisionEncoder
 from tests.helpers import relative_error, warmed

@@ -318,7 +318,9 @@ def test_split_is_costed_on_the_graphs_its_parts_really_use(qwen3):
 
 @functools.cache
 def split_table():
-    return warmed(from_preset("qwen3-vl-tiny", seed=4), GraphConfig(budgets=(64, 128, 256, 512), max_items_per_pack=64)).table
+    return warmed(
+        from_preset("qwen3-vl-tiny", seed=4), GraphConfig(budgets=(64, 128, 256, 512), max_items_per_pack=64)
+    ).table
 
 
 @given(st.lists(st.integers(1, 200), min_size=1, max_size=40))
@@ -388,7 +390,9 @@ def test_compile_without_graphs_never_compiles_on_a_request(qwen3):
     a pack of new segments; on CUDA none, see the GPU test) runs uncompiled instead, counted
     once: later packs of it do not try again."""
     encoder, reference = qwen3
-    runner = warmed(encoder, GraphConfig(budgets=(64, 256), compile_exact=False), compiled_forward=eager_compiled(encoder))
+    runner = warmed(
+        encoder, GraphConfig(budgets=(64, 256), compile_exact=False), compiled_forward=eager_compiled(encoder)
+    )
     assert runner.warmup_status().compiled and runner.stats.recompile_fallbacks == 0
     assert all(e.live and e.self_check_error < 1e-4 for e in runner.entries.values())
     rng = np.random.default_rng(17)

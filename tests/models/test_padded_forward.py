@@ -280,7 +280,11 @@ def test_varlen_kernel_is_chosen_by_backend_and_max_seqlen():
     FlashAttention-2's; "flash" always FlashAttention-2; "triton" ours at 16-byte head rows."""
     threshold = attention.CUDNN_MIN_SEQLEN
     cudnn, flash, triton = (AttentionBackend(kernel) for kernel in ("cudnn", "flash", "triton"))
-    assert [cudnn.varlen_kernel(n, 72) for n in (threshold // 2, threshold, threshold * 8)] == ["flash", "cudnn", "cudnn"]
+    assert [cudnn.varlen_kernel(n, 72) for n in (threshold // 2, threshold, threshold * 8)] == [
+        "flash",
+        "cudnn",
+        "cudnn",
+    ]
     assert flash.varlen_kernel(threshold * 8, 72) == "flash"
     assert triton.varlen_kernel(64, 72) == "triton" and triton.varlen_kernel(64, 36) == "flash"
 
@@ -299,7 +303,9 @@ def test_varlen_kernel_is_chosen_by_backend_and_max_seqlen():
         ("triton", [(1, 1024), (2, 784)], 1024, 80, False, False),  # several runs: one Triton launch
     ],
 )
-def test_exact_layouts_pick_dense_batches_or_one_varlen_launch(kernel, groups, max_seqlen, head_dim, launch_bound, dense):
+def test_exact_layouts_pick_dense_batches_or_one_varlen_launch(
+    kernel, groups, max_seqlen, head_dim, launch_bound, dense
+):
     assert AttentionBackend(kernel).dense_on_cuda(groups, max_seqlen, head_dim, launch_bound) is dense
 
 
