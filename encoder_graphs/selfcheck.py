@@ -69,13 +69,7 @@ def interleaved_ms(
     order = list(paths.items())
     for round_ in range(repeats):
         for name, fn in order if round_ % 2 == 0 else order[::-1]:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            samples[name].append((time.perf_counter() - start) * 1e3)
+            samples[name].append(synchronized_ms(fn, device))
     return {name: sorted(values)[len(values) // 2] for name, values in samples.items()}
 
 
@@ -127,16 +121,18 @@ def time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 3, wa
     return interleaved_ms({"fn": fn}, device, repeats, warmup)["fn"]
 
 
+def synchronized_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall ms of one call of `fn`, the device idle before and done after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
 def best_ms(fn: Callable[[], object], device: torch.device, repeats: int = 2) -> float:
-    """The fastest of `repeats` synchronized wall-clock runs of an already warm `fn`: the least
-    noisy single number for a cost model (noise only ever adds time)."""
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        samples.append((time.perf_counter() - start) * 1e3)
-    return min(samples)
+    """The fastest of `repeats` synchronized runs of an already warm `fn`: the least noisy single
+    number for a cost model (noise only ever adds time)."""
+    return min(synchronized_ms(fn, device) for _ in range(repeats))
