@@ -27,8 +27,7 @@ import torch
 from .budgets import sample_budgets
 from .buffers import StaticBuffers
 from .entry import LIVE, PENDING, GraphEntry, GraphKey
-from .exact_route import square_image
-from .memory import check_fits, fit_memory_model, measure_peak_bytes
+from .preflight import check_eager, check_memory, raise_recompile_limits
 from .route_costs import attention_shapes
 from .selfcheck import best_ms, pack_error, synthetic_pixels, synthetic_specs
 from .table import input_specs
@@ -109,57 +108,18 @@ class WarmUp:
         if runner.compile_cache is not None:
             runner.compile_cache.activate()
         if runner.forwards.compiled is not None:
-            _raise_recompile_limits(len(runner.table.entries))
+            raise_recompile_limits(len(runner.table.entries))
         if runner.use_graphs:
-            self._check_memory()
-        self._check_eager()
+            runner.memory.predicted_pool_bytes = check_memory(
+                runner.encoder, runner.table.budgets, runner.table.static_bytes, runner.config.memory_fraction
+            )
+        check_eager(runner.encoder, runner.config.self_check_tolerance)
         self.stage = "prepared"
         self.stage_seconds["prepare"] = round(time.perf_counter() - start, 3)
         progress(
             f"prepared in {self.stage_seconds['prepare']:.1f} s: every pack runs eagerly until its graph is live "
             f"({len(runner.table.entries)} graphs to warm up)"
         )
-
-    def _check_memory(self) -> None:
-        """Refuse a ladder whose graphs would not fit (`GraphMemoryError`): a line through the peak
-        activations of two eager forwards (after one unmeasured one: library workspaces must not
-        enter the line), extrapolated to the largest budget."""
-        runner, encoder = self.runner, self.runner.encoder
-        budgets = runner.table.budgets
-
-        def forward_at(budget: int) -> Callable[[], object]:
-            specs = synthetic_specs(budget, budget * encoder.merge_unit, encoder.merge_unit, 1)
-            pixels = synthetic_pixels(specs, encoder.patch_dim, encoder.device)
-            return lambda: encoder.forward_eager(pixels, specs)
-
-        forward_at(budgets[0])()
-        sampled = sorted({budgets[0], budgets[len(budgets) // 2]})
-        model = fit_memory_model([(b, measure_peak_bytes(forward_at(b), encoder.device)) for b in sampled])
-        free, _ = torch.cuda.mem_get_info(encoder.device)
-        runner.memory.predicted_pool_bytes = check_fits(
-            model, budgets, runner.table.static_bytes, free, runner.config.memory_fraction
-        )
-
-    def _check_eager(self) -> None:
-        """Two unequal images as one pack against each alone: the eager path (every pack's route
-        until graphs are live) keeps segments apart and returns finite values."""
-        encoder = self.runner.encoder
-        merge = math.isqrt(encoder.merge_unit)
-        specs = [square_image(4 * merge, encoder.merge_unit), square_image(2 * merge, encoder.merge_unit)]
-        pixels = synthetic_pixels(specs, encoder.patch_dim, encoder.device).to(encoder.dtype)
-        with torch.no_grad():
-            whole = encoder.forward_eager(pixels, specs)
-            row = token = 0
-            for spec in specs:
-                alone = encoder.forward_eager(pixels[row : row + spec.input_patches], [spec])
-                deepstack = None if whole.deepstack is None else whole.deepstack[:, token : token + spec.output_tokens]
-                error = pack_error(whole.tokens[token : token + spec.output_tokens], deepstack, alone)
-                if not math.isfinite(error) or error > self.runner.config.self_check_tolerance:
-                    raise RuntimeError(
-                        f"the eager forward of a two-image pack differs from each image alone (error {error:.3g}); "
-                        "the attention backend does not keep segments apart on this device"
-                    )
-                row, token = row + spec.input_patches, token + spec.output_tokens
 
     # ---- the background warm-up ----
 
@@ -411,13 +371,3 @@ class WarmUp:
 
 class _Retry(Exception):
     """A locked step that must run again with the uncompiled forward."""
-
-
-def _raise_recompile_limits(graphs: int) -> None:
-    """Each graph's layout may specialise the compiled forward; dynamo's default recompile limit
-    (8) would silently leave later graphs uncompiled."""
-    import torch._dynamo
-
-    limit = max(torch._dynamo.config.recompile_limit, 2 * graphs + 8)
-    torch._dynamo.config.recompile_limit = limit
-    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
