@@ -36,9 +36,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.environment import environment  # noqa: E402
-from encoder_graphs.runner import EncoderRunner, GraphConfig, canonical_order  # noqa: E402
+from encoder_graphs.config import GraphConfig  # noqa: E402
+from encoder_graphs.runner import EncoderRunner, canonical_order  # noqa: E402
 from encoder_graphs.selfcheck import back_to_back_ms, interleaved_ms  # noqa: E402
-from models import attention, from_preset, transformers_tower  # noqa: E402
+from models import from_preset, transformers_tower  # noqa: E402
+from models.attention import BACKENDS, DEFAULT_BACKEND  # noqa: E402
 from models.protocol import ItemSpec  # noqa: E402
 
 CASES = {
@@ -99,8 +101,7 @@ def useful_flops(encoder, specs: list[ItemSpec]) -> float:
     if hasattr(config, "fullatt_block_indexes"):
         full_layers = len(config.fullatt_block_indexes)
         for spec in specs:
-            _, lengths = encoder._windows(spec)
-            window += sum(length**2 for length in lengths)
+            window += sum(length**2 for length in encoder.window_lengths(spec))
     flops += 4 * width * (full * full_layers + window * (depth - full_layers))
     return flops
 
@@ -126,13 +127,19 @@ def hf_tower(encoder, preset: str, dtype: torch.dtype):
     return transformers_tower(encoder, dtype=dtype)
 
 
-def bench_preset(preset: str, device: torch.device, dtype: torch.dtype, config: GraphConfig) -> dict:
-    encoder = from_preset(preset, dtype=dtype, device=device, seed=0)
+def bench_preset(preset: str, device: torch.device, dtype: torch.dtype, config: GraphConfig, attention: str) -> dict:
+    encoder = from_preset(preset, dtype=dtype, device=device, seed=0, attention=attention)
     hf = hf_tower(encoder, preset, dtype)
     runner = EncoderRunner(encoder, config)
     start = time.perf_counter()
-    startup_log: list[str] = []  # where startup time goes: each capture, compile and the self-check
-    runner.capture(progress=lambda message: startup_log.append(f"{time.perf_counter() - start:7.1f} s {message}"))
+    startup_log: list[str] = []  # where startup time goes: prepare, each warm-up stage and graph
+
+    def progress(message: str) -> None:
+        startup_log.append(f"{time.perf_counter() - start:7.1f} s {message}")
+
+    runner.prepare(progress=progress)
+    ready_s = time.perf_counter() - start  # serving (eagerly) from here on
+    runner.warm_up(progress=progress)  # in the foreground here; a replica runs it in a thread
     startup_s = time.perf_counter() - start
     rng = np.random.default_rng(0)
     rows = []
@@ -152,7 +159,7 @@ def bench_preset(preset: str, device: torch.device, dtype: torch.dtype, config: 
             first_sighting()
             for _ in range(2):  # the second sighting captures the pack's own graph, if it pays
                 runner.run(pixels, specs)
-            kept = tuple(specs[i].grid_thw for i in canonical_order(specs)) in runner._recurring
+            kept = tuple(specs[i].grid_thw for i in canonical_order(specs)) in runner.recurring.entries
             timings = interleaved_ms(
                 {
                     "hf": lambda: hf(pixels, grid_thw=grid),
@@ -189,31 +196,35 @@ def bench_preset(preset: str, device: torch.device, dtype: torch.dtype, config: 
                 "gflops": flops / 1e9,
             }
         )
+    described = runner.describe()
     return {
         "preset": preset,
-        "ladder": list(runner.ladder),
+        "attention": encoder.attention.kernel,
+        "ladder": list(runner.ladder.budgets),
+        "graph_budgets": list(runner.table.budgets),
         "graphs": len(runner.entries),
+        "ready_s": ready_s,
         "startup_s": startup_s,
         "startup_log": startup_log,
+        "warmup": described["warmup"],
         "memory": runner.memory.summary() if runner.use_graphs else None,
         "stats": runner.stats.snapshot(),
-        "learned_route_scale": runner.describe()["learned_route_scale"],
-        "learned_cold_ms": runner.describe()["learned_cold_ms"],
+        "learned_route_scale": described["learned_route_scale"],
+        "learned_cold_ms": described["learned_cold_ms"],
+        "startup_costs_ms": described["startup_costs_ms"],
         "graph_timings": [
             {
                 "token_budget": key[0],
                 "max_seqlen": key[1],
                 "replay_ms": round(e.replay_ms, 3),
-                "eager_ms": round(e.eager_ms, 3),
-                "exact_ms": round(e.exact_ms, 3),
                 "self_check_error": e.self_check_error,
-                "enabled": e.enabled,
+                "state": e.state,
             }
             for key, e in sorted(runner.entries.items())
         ],
         "recurring_graphs": [
             {"grids": [list(g) for g in key], "replay_ms": round(e.replay_ms, 3), "dense": e.dense}
-            for key, e in runner._recurring.items()
+            for key, e in runner.recurring.entries.items()
         ],
         "cases": rows,
     }
@@ -221,8 +232,9 @@ def bench_preset(preset: str, device: torch.device, dtype: torch.dtype, config: 
 
 def format_table(result: dict) -> str:
     lines = [
-        f"### {result['preset']} (ladder {result['ladder']}, {result['graphs']} graphs, "
-        f"startup {result['startup_s']:.1f} s, graph memory {result['memory']})",
+        f"### {result['preset']} (attention {result['attention']}, ladder {result['ladder']}, {result['graphs']} "
+        f"graphs, serving after {result['ready_s']:.1f} s, full speed after {result['startup_s']:.1f} s, "
+        f"graph memory {result['memory']})",
         "",
         "No graph of its own (`graph`, by the route its costs pick; `a->b`: the first run's route, then "
         "the timed runs', the runner having learned a route's cost from the first) and recurring "
@@ -263,7 +275,7 @@ def main() -> None:
         "--fine-budget-tokens",
         type=int,
         default=GraphConfig.fine_budget_tokens,
-        help="the budget from which doublings are split finer (1024: the session-15 ladder)",
+        help="the budget from which doublings are split finer",
     )
     parser.add_argument(
         "--fine-budget-steps",
@@ -287,7 +299,8 @@ def main() -> None:
     parser.add_argument("--segment-density", type=int, default=GraphConfig.segment_density)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="encoder_bench")
-    parser.add_argument("--attention", default=attention.DEFAULT_BACKEND, choices=attention.BACKENDS)
+    parser.add_argument("--attention", default=DEFAULT_BACKEND, choices=BACKENDS)
+    parser.add_argument("--compile-cache", default=None, help="compile cache directory (GraphConfig.compile_cache)")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument(
         "--compile-exact",
@@ -299,7 +312,6 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     peak_before = measure_peak_tflops(device)
-    backend = attention.set_backend(args.attention) if device.type == "cuda" else "cpu"
     config = GraphConfig(
         max_budget_tokens=args.max_budget_tokens,
         budget_growth=args.budget_growth,
@@ -310,16 +322,18 @@ def main() -> None:
         segment_density=args.segment_density,
         compile=args.compile,
         compile_exact=args.compile_exact,
+        compile_cache=args.compile_cache,
     )
+    results = [bench_preset(p, device, dtype, config, args.attention) for p in args.presets]
 
     record = {
         **environment(),
         "dtype": args.dtype,
-        "attention": backend,
+        "attention": sorted({result["attention"] for result in results}),
         "cudnn_frontend": _frontend_version(),
         "compile": args.compile,
         "compile_exact": args.compile_exact,
-        "results": [bench_preset(p, device, dtype, config) for p in args.presets],
+        "results": results,
     }
     # The peak is measured before and after the cases (clocks drift with heat); MFU uses the
     # higher one, so it is never flattered by a slow peak measurement.

@@ -18,6 +18,9 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
+from encoder_graphs.config import Ladder, budget_ladder
+from models import load_preprocessor
+
 from .config import AppConfig
 from .encoder import EncoderReplica
 from .llm import LLMReplica
@@ -41,13 +44,22 @@ def encoder_deployment(config: AppConfig, logging_config: LoggingConfig):
     )
 
 
+def deployment_ladder(config: AppConfig) -> Ladder:
+    """The budget ladder of the deployment, computed once here and handed to the router and
+    every encoder replica (from the processor's smallest item; no weights loaded)."""
+    model = config.model
+    _, preprocessor = load_preprocessor(model.preset, model.family, model.path)
+    return budget_ladder(config.graphs, preprocessor.min_item_tokens)
+
+
 def build_app(args: dict) -> Application:
     """Validate everything that can be checked now (one clear error, no replica started), then bind."""
     config = validate(args)
+    ladder = deployment_ladder(config)
     logging_config = LoggingConfig(enable_access_log=config.router.log_requests)
-    encoder = encoder_deployment(config, logging_config).bind(config)
+    encoder = encoder_deployment(config, logging_config).bind(config, ladder)
     llm = None
     if config.llm is not None:
         resources = {"num_cpus": 1, "num_gpus": 1 if config.llm.device == "cuda" else 0}
         llm = LLMReplica.options(ray_actor_options=resources, logging_config=logging_config).bind(config)
-    return EncoderRouter.options(logging_config=logging_config).bind(config, encoder, llm)
+    return EncoderRouter.options(logging_config=logging_config).bind(config, encoder, llm, ladder)

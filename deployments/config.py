@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from encoder_graphs.runner import GraphConfig
+from encoder_graphs.config import GraphConfig
 from models import attention
 from models.presets import PRESETS
 
@@ -62,61 +62,6 @@ class ModelSettings(_Strict):
         if self.path is not None:
             return self.path
         return self.preset if self.preset in PRESETS else f"{self.family}-{self.preset}"
-
-
-class GraphSettings(_Strict):
-    """Token budgets and CUDA graphs (see encoder_graphs.config.GraphConfig)."""
-
-    max_budget_tokens: int = Field(8192, gt=0, description="Largest token budget; larger packs run eagerly.")
-    budgets: list[int] | None = Field(
-        None, description="Explicit budget list (output tokens); default: the automatic ladder."
-    )
-    min_budget_tokens: int = Field(64, gt=0, description="Smallest budget of the automatic ladder.")
-    budget_growth: float = Field(
-        2.0, gt=1.0, description="Ratio between consecutive automatic budgets below fine_budget_tokens."
-    )
-    fine_budget_tokens: int = Field(128, gt=0, description="From this budget up, doublings are split finer.")
-    fine_budget_steps: int = Field(
-        8, ge=1, description="Budgets per doubling above fine_budget_tokens (1: plain doubling; see GraphConfig)."
-    )
-    finer_budget_range: tuple[int, int] | None = Field(
-        (1024, 4096),
-        description="Budgets from the first up to the second take finer_budget_steps per doubling (null: none).",
-    )
-    finer_budget_steps: int = Field(16, ge=1, description="Budgets per doubling inside finer_budget_range.")
-    max_items_per_pack: int | None = Field(None, gt=0, description="Items per pack (<= smallest budget).")
-    max_segments_per_pack: int | None = Field(None, gt=0, description="Attention segments any graph holds.")
-    segment_density: int = Field(8, gt=0, description="Segments a graph holds per max_seqlen of its rows.")
-    min_seqlen_bucket: int = Field(256, gt=0, description="Smallest max_seqlen bucket (patches).")
-    cuda_graphs: bool = Field(True, description="Capture CUDA graphs (CUDA only).")
-    self_check: bool = Field(True, description="Check every graph against eager at startup.")
-    memory_fraction: float = Field(0.8, gt=0, le=1, description="Share of free GPU memory graphs may use.")
-    compile: bool = Field(False, description="torch.compile the forward before capture (slower startup).")
-    compile_exact: bool = Field(
-        True,
-        description="With compile: packs run without a graph use the compiled forward on their exact layout "
-        "(no padding; equal-size items, or any under attention 'triton'); two more compiles at startup.",
-    )
-    recurring_graphs: int = Field(
-        16, ge=0, description="Most graphs of recurring packs' exact layouts kept (LRU); 0: off."
-    )
-    recurring_after: int = Field(
-        2, ge=1, description="A pack (its items' grids, in any order) gets its own graph when seen this often."
-    )
-
-    @model_validator(mode="after")
-    def _finer_range_ascends(self) -> GraphSettings:
-        if self.finer_budget_range is not None and not 0 < self.finer_budget_range[0] < self.finer_budget_range[1]:
-            raise ValueError(
-                "finer_budget_range must be two budgets, the first > 0 and below the second; "
-                f"got {list(self.finer_budget_range)}"
-            )
-        return self
-
-    def to_config(self) -> GraphConfig:
-        values = self.model_dump()
-        values["budgets"] = tuple(values["budgets"]) if values["budgets"] else None
-        return GraphConfig(**values)
 
 
 class RouterSettings(_Strict):
@@ -232,7 +177,9 @@ class AppConfig(_Strict):
     """Arguments of `deployments.app:build_app` (the YAML's `args`)."""
 
     model: ModelSettings = Field(default_factory=ModelSettings, description="The vision tower.")
-    graphs: GraphSettings = Field(default_factory=GraphSettings, description="Budgets and CUDA graphs.")
+    graphs: GraphConfig = Field(
+        default_factory=GraphConfig, description="Token budgets, CUDA graphs, compilation and warm-up."
+    )
     router: RouterSettings = Field(default_factory=RouterSettings, description="Packing and backpressure.")
     limits: Limits = Field(default_factory=Limits, description="Input limits.")
     llm: LLMSettings | None = Field(

@@ -20,8 +20,9 @@ import ray
 import torch
 from ray import serve
 
+from encoder_graphs.config import Ladder
 from encoder_graphs.runner import EncoderRunner
-from models import attention, from_checkpoint, from_preset
+from models import from_checkpoint, from_preset
 from models.protocol import ItemOutput, ItemSpec
 
 from .config import AppConfig
@@ -76,23 +77,35 @@ def load_encoder(config: AppConfig):
     if model.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("model.device is 'cuda' but this replica sees no CUDA device (is num_gpus set to 1?)")
     dtype = resolve_dtype(model.dtype, model.device)
-    if model.device == "cuda":
-        logger.info("varlen attention: %s", attention.set_backend(model.attention))
     if model.path is not None:
-        return from_checkpoint(model.path, family=model.family, dtype=dtype, device=model.device)
-    return from_preset(model.preset, family=model.family, dtype=dtype, device=model.device)
+        encoder = from_checkpoint(
+            model.path, family=model.family, dtype=dtype, device=model.device, attention=model.attention
+        )
+    else:
+        encoder = from_preset(
+            model.preset, family=model.family, dtype=dtype, device=model.device, attention=model.attention
+        )
+    logger.info("attention kernel: %s", encoder.attention.kernel)
+    return encoder
 
 
 @serve.deployment(max_ongoing_requests=8, health_check_period_s=10)
 class EncoderReplica:
-    def __init__(self, config: AppConfig):
+    def __init__(self, config: AppConfig, ladder: Ladder):
         start = time.perf_counter()
         if config.model.device == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads()))
         self.encoder = load_encoder(config)
         logger.info("loaded %s on %s in %.1f s", self.encoder.name, self.encoder.device, time.perf_counter() - start)
-        self.runner = EncoderRunner(self.encoder, config.graphs.to_config())
-        self.runner.capture(progress=logger.info)
+        # ---- warm-up: ready after `prepare` (packs run eagerly), graphs go live in the background
+        self.runner = EncoderRunner(self.encoder, config.graphs, ladder)
+        self.runner.prepare(progress=logger.info)
+        self._stop_warmup = threading.Event()
+        self._warmup = threading.Thread(
+            target=self.runner.warm_up, args=(logger.info, self._stop_warmup), name="graph-warm-up", daemon=True
+        )
+        self._warmup.start()
+        # ---- end warm-up
         self._lock = threading.Lock()
         self._counter_lock = threading.Lock()
         self.metrics = EncoderMetrics()
@@ -112,7 +125,9 @@ class EncoderReplica:
             self._inflight_tokens += inflight
 
     def _run(self, pack: PackRequest, arrived: float) -> PackResult:
-        with self._lock:  # one pack at a time on the device
+        # One pack at a time on the device; the runner's device lock also keeps this pack's
+        # device-side preprocessing out of a warm-up capture.
+        with self._lock, self.runner.device_lock:
             started = time.perf_counter()
             self._count(queued=-pack.tokens, inflight=pack.tokens)
             try:
@@ -169,7 +184,10 @@ class EncoderReplica:
         return self.runner.run(pixel_values.to(self.encoder.dtype), pack.specs, output_device="cpu")
 
     def record_routing_stats(self) -> dict:
-        return {"queued_tokens": self._queued_tokens + self._inflight_tokens}
+        return {
+            "queued_tokens": self._queued_tokens + self._inflight_tokens,
+            "live_budgets": list(self.runner.live_budgets()),  # budgets whose packs replay a live graph
+        }
 
     def record_autoscaling_stats(self) -> dict:
         return {"queued_tokens": float(self._queued_tokens), "inflight_tokens": float(self._inflight_tokens)}
@@ -189,4 +207,10 @@ class EncoderReplica:
 
     def check_health(self) -> None:
         if self.encoder.device.type == "cuda":
-            torch.cuda.synchronize(self.encoder.device)  # surfaces a sticky CUDA error; Serve restarts us
+            with self.runner.device_lock:  # never a device-wide sync during a warm-up capture
+                torch.cuda.synchronize(self.encoder.device)  # surfaces a sticky CUDA error; Serve restarts us
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop_warmup", None)
+        if stop is not None:  # Serve shutting the replica down: the warm-up stops between steps
+            stop.set()

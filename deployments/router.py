@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from encoder_graphs.config import build_ladder
+from encoder_graphs.config import Ladder
 from models import load_preprocessor
 
 from . import chat as chat_api
@@ -67,7 +67,7 @@ DESCRIBE_TIMEOUT_S = 2.0
 @serve.deployment(max_ongoing_requests=2048)
 @serve.ingress(api)
 class EncoderRouter:
-    def __init__(self, config: AppConfig, encoder: DeploymentHandle, llm: DeploymentHandle | None = None):
+    def __init__(self, config: AppConfig, encoder: DeploymentHandle, llm: DeploymentHandle | None, ladder: Ladder):
         start = time.perf_counter()
         self.config = config
         self.encoder = encoder
@@ -76,13 +76,11 @@ class EncoderRouter:
         self.rejected: dict[str, int] = {}
         self.embedding_bytes_received = 0
         """Embedding bytes this router read from the object store (HTTP responses only)."""
-        self.family, preprocessor = load_preprocessor(config.model.preset, config.model.family, config.model.path)
-        graphs = config.graphs.to_config()
-        ladder, max_items = build_ladder(graphs, preprocessor.min_item_tokens)
-        self.ladder = ladder
+        self.family, _ = load_preprocessor(config.model.preset, config.model.family, config.model.path)
+        self.ladder = ladder.budgets  # the app builder's, as every encoder replica's
         self.fleet = EncoderFleet(serve.get_replica_context().app_name)
         self.queue = EncodeQueue(
-            config, ladder, max_items, graphs.max_segments_per_pack or 2 * max_items, encoder, self.fleet, self.metrics
+            config, ladder.budgets, ladder.max_items, ladder.max_segments, encoder, self.fleet, self.metrics
         )
         self.intake = Intake(config)
         self.intake.start()

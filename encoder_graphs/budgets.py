@@ -8,6 +8,7 @@ of the largest possible item.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections.abc import Sequence
 
@@ -100,10 +101,9 @@ def segment_capacity(budget_rows: int, max_seqlen: int, density: int, cap: int) 
     """Attention segments a graph of `budget_rows` rows and bucket `max_seqlen` holds:
     `density` per `max_seqlen` of rows (at least `density`), at most `cap`.
 
-    The varlen kernel launches a grid over every segment slot times `max_seqlen / 128` query
-    blocks, so empty slots cost in proportion to slots x max_seqlen. With slots proportional to
-    rows / max_seqlen the empty part of the grid stays proportional to the graph's rows: a lone
-    448x448 image in a 1024-row graph no longer pays for 129 slots of 1024 rows."""
+    A varlen kernel launches a grid over every segment slot times `max_seqlen / 128` query
+    blocks, so empty slots cost in proportion to slots x max_seqlen; with slots proportional to
+    rows / max_seqlen the empty part of the grid stays proportional to the graph's rows."""
     if density < 1 or cap < 1:
         raise BudgetConfigError(f"segment density and capacity must be >= 1, got {density} and {cap}")
     return min(cap, density * max(1, -(-budget_rows // max_seqlen)))
@@ -113,3 +113,13 @@ def buckets_for_budget(buckets: Sequence[int], budget_rows: int) -> tuple[int, .
     """The buckets a graph of `budget_rows` input rows can use (no segment exceeds the pack)."""
     usable = [b for b in buckets if b < budget_rows]
     return (*usable, budget_rows) if not usable or usable[-1] != budget_rows else tuple(usable)
+
+
+def sample_budgets(budgets: Sequence[int], count: int) -> tuple[int, ...]:
+    """At most `count` budgets spread evenly on a log scale from the smallest to the largest
+    (both included): where a cost that grows smoothly with tokens is measured and interpolated."""
+    if count < 2 or len(budgets) <= count:
+        return tuple(budgets) if count >= len(budgets) else (budgets[-1],)
+    low, high = math.log(budgets[0]), math.log(budgets[-1])
+    wanted = [math.exp(low + (high - low) * i / (count - 1)) for i in range(count)]
+    return tuple(sorted({min(budgets, key=lambda b: abs(math.log(b) - math.log(w))) for w in wanted}))

@@ -8,6 +8,9 @@ Rules (property-tested):
 - oldest first: packs are formed in arrival order, the oldest waiting item always starts
   the next pack, and later items join it only where they fit (first fit);
 - an item larger than the largest budget goes alone, flagged to run eagerly.
+
+`split_items` is the runner's side of the same problem: a pack just over a budget, re-packed
+into a few packs of the next smaller budget.
 """
 
 from __future__ import annotations
@@ -84,3 +87,23 @@ def pack_items(
         remaining = rest
         packs.append(Pack(tuple(chosen), fitting_budget(ladder, tokens)))
     return packs
+
+
+def split_items(tokens: Sequence[int], capacity: int, max_parts: int) -> list[list[int]] | None:
+    """Item indices first-fit-decreasing into 2..`max_parts` parts of <= `capacity` tokens each
+    (each part's indices ascending); None when the items fit one part, need more than
+    `max_parts`, or one item alone exceeds `capacity`."""
+    parts: list[list[int]] = []
+    loads: list[int] = []
+    for index in sorted(range(len(tokens)), key=lambda i: -tokens[i]):
+        for part, load in enumerate(loads):
+            if load + tokens[index] <= capacity:
+                parts[part].append(index)
+                loads[part] += tokens[index]
+                break
+        else:
+            if tokens[index] > capacity or len(parts) == max_parts:
+                return None
+            parts.append([index])
+            loads.append(tokens[index])
+    return [sorted(part) for part in parts] if len(parts) >= 2 else None

@@ -1,23 +1,33 @@
-"""Graphs of recurring packs' own exact layouts (`RecurringGraphs`): counted sightings, capture on
-the sighting that earns one, kept only where they beat the pack's plan."""
+"""Graphs of recurring packs' own exact layouts (`RecurringGraphs`): counted sightings, capture on the
+sighting that earns one, kept only where they beat the pack's plan.
+
+A recurring pack's graph has no padding rows, runs each run of equal segments as one dense
+attention batch, bakes its position metadata into its own input buffers, writes views of the
+shared static outputs and keeps its intermediates in the shared pool. It is captured on the
+serving thread, so only once the warm-up is over (`enabled`): no capture then races the warm-up's.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 
-from models import attention
-from models.layout import segment_lengths
-from models.protocol import ItemSpec
+from models.protocol import ItemSpec, VisionEncoder
 
-from .entry import GraphEntry, PackKey
-from .memory import pool_reserved_bytes
-from .route_costs import SIGHTINGS_KEPT, attention_shapes
-from .selfcheck import relative_error, time_ms
+from .capture import GraphCapture
+from .config import GraphConfig
+from .entry import LIVE, GraphEntry, PackKey
+from .execute import EntryIO, Forwards
+from .memory import MemoryReport
+from .route_costs import SIGHTINGS_KEPT, RouteCosts, attention_shapes
+from .selfcheck import outputs_error, time_ms
+from .stats import RunnerStats
+from .table import GraphTable, input_specs, output_specs
 
 logger = logging.getLogger(__name__)
 
@@ -26,19 +36,42 @@ RECURRING_MIN_FREE = 1 << 30
 
 
 class RecurringGraphs:
-    """`EncoderRunner`'s graphs of recurring packs (a mixin). Relies on the runner's `encoder`,
-    `config`, `device`, `ladder`, `stats`, `memory`, `use_graphs`, `costs` (`RouteCosts`), `_pool`,
-    `_side`, `_outputs`, `_compiled`, `_forward`, `_sightings`, `_recurring` and its methods
-    `_input_specs`, `_output_specs`, `_fill`, `_execute`, `_take`, `_forward_into_outputs`,
-    `_synchronize`."""
+    """The recurring packs' graphs of one runner, least recently used first."""
 
-    def _recurs(self, key: PackKey, specs: Sequence[ItemSpec]) -> bool:
+    def __init__(
+        self,
+        encoder: VisionEncoder,
+        config: GraphConfig,
+        table: GraphTable,
+        io: EntryIO,
+        capture: GraphCapture | None,
+        costs: RouteCosts,
+        stats: RunnerStats,
+        memory: MemoryReport,
+    ):
+        self.encoder, self.config, self.table, self.io = encoder, config, table, io
+        self.capturer, self.costs, self.stats, self.memory = capture, costs, stats, memory
+        self.forwards: Forwards = io.forwards
+        self.entries: OrderedDict[PackKey, GraphEntry] = OrderedDict()
+        self._sightings: OrderedDict[PackKey, int] = OrderedDict()
+        """Times each pack key was seen; -1 once its graph was refused (never tried again)."""
+        self.enabled = False
+        """Set by the runner at the end of its warm-up."""
+        self.min_free_bytes = RECURRING_MIN_FREE
+
+    def lookup(self, key: PackKey) -> GraphEntry | None:
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def earns(self, key: PackKey, specs: Sequence[ItemSpec]) -> bool:
         """Count a sighting of `key`; True when this is the one that earns the pack its own graph.
         Packs larger than the largest budget's rows never do (their intermediates would grow the
         shared pool past what the budgets measured)."""
-        if self.config.recurring_graphs <= 0 or (self.use_graphs and self.device.type == "cuda" and self._pool is None):
-            return False  # off, or the budgets' graphs not captured yet
-        if sum(s.input_patches for s in specs) > self.ladder[-1] * self.encoder.merge_unit:
+        if not self.enabled or self.config.recurring_graphs <= 0:
+            return False
+        if sum(s.input_patches for s in specs) > self.table.budgets[-1] * self.encoder.merge_unit:
             return False
         seen = self._sightings.pop(key, 0)
         if seen >= 0:
@@ -48,12 +81,14 @@ class RecurringGraphs:
             self._sightings.popitem(last=False)
         return seen >= self.config.recurring_after
 
-    def _reject_recurring(self, key: PackKey, why: str, detail: str = "") -> None:
+    def refuse(self, key: PackKey, why: str, detail: str = "") -> None:
+        """Never try `key` again (counted per reason)."""
+        self.entries.pop(key, None)
         self._sightings[key] = -1
         self.stats.recurring_rejected[why] += 1
         logger.info("no graph for a recurring pack of %d items: %s %s", len(key), why, detail)
 
-    def _capture_recurring(
+    def capture(
         self,
         key: PackKey,
         pixel_values: torch.Tensor,
@@ -63,96 +98,90 @@ class RecurringGraphs:
     ) -> None:
         """Capture (CUDA) or set up (CPU) the pack's own exact-layout graph. Refused, and the key
         never tried again: too little free memory, a capture error, a result that disagrees with
-        its own warm-up run, or (where costs are measured: graphs on) a run no faster than
-        `plan_ms`, the plan's time on this pack, timed the same way (copy in, replay, copy out).
-        Where the compiled forward would need a compile, the uncompiled forward is captured.
-
-        Its inputs are its own plain tensors, as the compiled exact route's are (dynamo guards on
-        whether an input is a view: views of the shared buffers would miss that compile)."""
-        capture = self._pool is not None  # as the budgets' graphs were (CUDA, `cuda_graphs`)
-        if capture and torch.cuda.mem_get_info(self.device)[0] < RECURRING_MIN_FREE:
-            self._reject_recurring(key, "memory")
+        its own warm-up run, or (where costs are measured) a run no faster than `plan_ms`, the
+        plan's time on this pack timed the same way. Its inputs are its own plain tensors (dynamo
+        guards on whether an input is a view)."""
+        capturing = self.capturer is not None and self.capturer.started
+        device = self.encoder.device
+        if capturing and torch.cuda.mem_get_info(device)[0] < self.min_free_bytes:
+            self.refuse(key, "memory")
             return
         layout = self.encoder.exact_layout(specs)
-        tokens = layout.token_budget
         with torch.inference_mode(False):  # not inference tensors, whatever the caller's mode
             inputs = {
-                name: torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
-                for name, spec in self._input_specs(layout).items()
+                name: torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+                for name, spec in input_specs(self.encoder, layout).items()
             }
+        outputs = self.table.outputs.views(output_specs(self.encoder, layout))
         entry = GraphEntry(
-            (tokens, layout.max_seqlen),
-            layout,
-            inputs,
-            self._outputs.views(self._output_specs(layout)),
-            segments=tuple(segment_lengths(specs)),
-            pack=key,
+            (layout.token_budget, layout.max_seqlen), layout, inputs, outputs, specs=tuple(specs), pack=key
         )
-        self._fill(entry, pixel_values, self.encoder.pack_metadata(specs, layout))
-        pool_before = pool_reserved_bytes(self._pool, self.device) if capture else 0
+        self.io.fill(entry, pixel_values, self.encoder.pack_metadata(specs, layout))
+        pool_before = self.capturer.pool_bytes() if capturing else 0
         try:
-            # The warm-up picks the attention kernels its capture will (`attention.for_graph`), so
-            # it builds them (cuDNN's dense plans) outside capture.
-            with attention.for_graph():
-                expected = self._warm_recurring(entry)
+            with self.encoder.capturing():
+                expected = self._warm(entry)
                 self.costs.mark_run(attention_shapes(specs))  # its attention is built now
-                if capture:
-                    graph = torch.cuda.CUDAGraph()
-                    with self._recurring_stance(entry):
-                        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                            self._forward_into_outputs(entry)
-                    entry.graph = graph
-            self._execute(entry)
-            error = max(relative_error(entry.outputs[name], want) for name, want in expected.items())
+                if capturing:
+                    with self._stance(entry):
+                        self.capturer.capture(entry, lambda: self.io.forward_into(entry))
+            self.io.execute(entry)
+            error = outputs_error(entry.outputs, expected)
         except Exception as exc:  # an optimisation: the pack still runs by its plan
-            self._reject_recurring(key, "error", f"{type(exc).__name__}: {exc}")
-            self._synchronize()
+            self.refuse(key, "error", f"{type(exc).__name__}: {exc}")
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             return
         if not math.isfinite(error) or error > self.config.self_check_tolerance:
-            self._reject_recurring(key, "mismatch", f"{error:.3g} against its warm-up run")
+            self.refuse(key, "mismatch", f"{error:.3g} against its warm-up run")
             return
-        if self.use_graphs:
-
-            def run_own() -> None:
-                self._fill(entry, pixel_values, None)
-                self._execute(entry)
-                self._take(entry, tokens, output_device)
-
-            entry.replay_ms = time_ms(run_own, self.device, repeats=3, warmup=0)
-            if entry.replay_ms >= plan_ms:
-                self._reject_recurring(key, "slower", f"{entry.replay_ms:.2f} ms >= {plan_ms:.2f} ms by its plan")
-                return
-        if capture:
-            grown = pool_reserved_bytes(self._pool, self.device) - pool_before
+        if self.table.costs_measured() and not self._faster(entry, pixel_values, plan_ms, output_device):
+            self.refuse(key, "slower", f"{entry.replay_ms:.2f} ms >= {plan_ms:.2f} ms by its plan")
+            return
+        if capturing:
+            grown = self.capturer.pool_bytes() - pool_before
             self.memory.recurring_bytes += sum(t.numel() * t.element_size() for t in inputs.values()) + grown
-        self._recurring[key] = entry
+        entry.state, entry.verified = LIVE, True
+        self._keep(key, entry)
+
+    def _faster(self, entry: GraphEntry, pixel_values: torch.Tensor, plan_ms: float, output_device) -> bool:
+        """Whether the entry's run (copy in, replay, copy out) beats the plan's `plan_ms`."""
+        tokens = entry.layout.token_budget
+
+        def run_own() -> None:
+            self.io.fill(entry, pixel_values, None)
+            self.io.execute(entry)
+            self.io.take(entry, tokens, output_device)
+
+        entry.replay_ms = time_ms(run_own, self.encoder.device, repeats=3, warmup=0)
+        return entry.replay_ms < plan_ms
+
+    def _keep(self, key: PackKey, entry: GraphEntry) -> None:
+        self.entries[key] = entry
         self.stats.recurring_captured += 1
-        while len(self._recurring) > self.config.recurring_graphs:
-            self._recurring.popitem(last=False)
+        while len(self.entries) > self.config.recurring_graphs:
+            self.entries.popitem(last=False)
             self.stats.recurring_evicted += 1
 
-    def _recurring_stance(self, entry: GraphEntry):
+    def _stance(self, entry: GraphEntry):
         """No compile on a request: the compiled forward raises where it would need one."""
-        if self._compiled and entry.forward is self._forward:
+        if self.forwards.compiled is not None and entry.forward is self.forwards.compiled:
             return torch.compiler.set_stance("fail_on_recompile")
         return contextlib.nullcontext()
 
-    def _warm_recurring(self, entry: GraphEntry) -> dict[str, torch.Tensor]:
-        """Run the entry once outside capture (kernel selection, workspaces; on a side stream on
-        CUDA) with the compiled forward, or the uncompiled one where that would need a compile.
-        Returns copies of its outputs: what its graph must reproduce."""
-        forwards = [self._forward, self.encoder.forward_padded] if self._compiled else [self.encoder.forward_padded]
+    def _warm(self, entry: GraphEntry) -> dict[str, torch.Tensor]:
+        """Run the entry once outside capture (on a side stream on CUDA) with the compiled forward,
+        or the uncompiled one where that would need a compile. Returns copies of its outputs:
+        what its graph must reproduce."""
+        forwards = [f for f in (self.forwards.compiled, self.forwards.plain) if f is not None]
         for forward in forwards:
             entry.forward = forward
             try:
-                if self._side is not None:
-                    side = self._side
-                    side.wait_stream(torch.cuda.current_stream(self.device))
-                    with torch.cuda.stream(side), self._recurring_stance(entry):
-                        self._forward_into_outputs(entry)
-                    torch.cuda.current_stream(self.device).wait_stream(side)
-                else:
-                    self._forward_into_outputs(entry)
+                with self._stance(entry):
+                    if self.capturer is not None and self.capturer.started:
+                        self.capturer.warm(lambda: self.io.forward_into(entry))
+                    else:
+                        self.io.forward_into(entry)
                 break
             except RuntimeError as error:
                 if "fail_on_recompile" not in str(error):

@@ -1,83 +1,105 @@
-"""What the routes without a graph cost (`RouteCosts`), learned from the packs they serve."""
+"""What the routes without a graph cost (`RouteCosts`): startup curves, corrected by what they
+measure on the packs they serve."""
 
 from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 
-from models import attention
-from models.layout import segment_lengths
-from models.protocol import ItemSpec
-
-from .entry import GraphEntry
+from models.protocol import ItemSpec, segment_groups, segment_lengths
 
 SIGHTINGS_KEPT = 4096
-"""Pack keys whose sightings (or rejection) the runner remembers, least recently seen dropped."""
+"""Pack keys (or attention shapes) remembered, least recently seen dropped."""
 LEARNED_WEIGHT = 0.5
 """Weight of the newest measurement in a route's learned cost scale (an exponential average)."""
 FORGET_HALF_LIFE = 128
-"""Packs a route without a graph must lose to a graph (a split, to one graph) for half of what it
-learned beyond its startup estimate (a scale above 1, the cold cost) to be forgotten. A route is
-measured only when it runs, so without forgetting, one slow measurement (a host hiccup, a compile
-in another thread) would price it out for good. With it, a priced-out route is tried again after
-a while and learns anew; what that costs shrinks with the margin it lost by (a route truly 6x over
-its estimate, losing by 3x, runs again after ~300 lost packs)."""
+"""Packs a route must lose to a graph for half of what it learned beyond its startup estimate (a
+scale above 1, the cold cost) to be forgotten. A route is measured only when it runs, so without
+forgetting one slow measurement (a host hiccup) would price it out for good; with it, a
+priced-out route is tried again after a while and learns anew."""
+
+RouteKey = tuple[str, int]
+"""(route, budget): route "eager_ms" (uncompiled, exact layout), "exact_ms" (compiled, exact
+layout) or "split" (a pack over several graphs)."""
 
 
 def attention_shapes(specs: Sequence[ItemSpec]) -> list[tuple[int, int]]:
-    """A pack's attention shapes on its exact layout: its runs of equal segments as (count,
-    length), each one dense batch (cuDNN builds a graph per batch shape)."""
-    return attention.segment_groups(segment_lengths(specs))
+    """A pack's attention shapes on its exact layout: its runs of equal segments as (count, length),
+    each one dense batch (a kernel library may build a plan per batch shape)."""
+    return segment_groups(segment_lengths(specs))
+
+
+def interpolate(points: Sequence[tuple[int, float]], tokens: int) -> float:
+    """Piecewise-linear through (tokens, ms) points sorted by tokens, flat outside them."""
+    xs = [x for x, _ in points]
+    index = bisect_left(xs, tokens)
+    if index == 0:
+        return points[0][1]
+    if index == len(points):
+        return points[-1][1]
+    (x0, y0), (x1, y1) = points[index - 1], points[index]
+    return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
 
 class RouteCosts:
-    """The learned costs of a runner's routes without a graph (and of its splits): a scale per
-    (route, budget) over the startup estimates, and the cold cost of a new attention shape."""
+    """The costs of a runner's routes without a graph (and of its splits): startup curves per
+    route, a learned scale per (route, budget) over them, and the cold cost of a new shape."""
 
-    def __init__(self, device: torch.device, ladder: tuple[int, ...], by_budget: dict[int, list[GraphEntry]]):
+    def __init__(self, device: torch.device):
         self.device = device
-        self.ladder = ladder
-        self._by_budget = by_budget
-        """The runner's graphs of each budget, smallest `max_seqlen` first: their startup timings."""
-        self.route_scale: dict[tuple[str, int], float] = {}
-        """(cost field, budget) -> measured / startup-estimated ms of a route without a graph
-        ("eager_ms" uncompiled, "exact_ms" compiled), or of a pack split over several graphs
-        ("split": against the sum of its parts' startup timings), learned from the packs it
-        served. The startup costs interpolate between full packs and do not see host launch time:
-        on a slow host the compiled exact route took 23.2 ms for a pack priced below its padded
-        graph."""
+        self.clock = time.perf_counter
+        """The host clock route timings read where there are no CUDA events."""
+        self.forget_half_life = FORGET_HALF_LIFE
+        self.startup: dict[str, tuple[tuple[int, float], ...]] = {}
+        """Route -> (tokens, ms) of full packs measured at startup, ascending in tokens."""
+        self.route_scale: dict[RouteKey, float] = {}
+        """Measured / startup-estimated ms per (route, budget), learned from the packs served: the
+        startup curves interpolate between full packs and miss host launch time."""
         self._shapes_run: OrderedDict[tuple[int, int], None] = OrderedDict()
-        """Attention shapes ((count, length) of a run of equal segments) run on an exact layout:
-        by a route without a graph, the compiled route's startup check, or a recurring pack's
-        warm-up. The first pack of a new shape builds cuDNN's attention graph for it: ~60-68 ms
-        per dense shape on the H100 (`benchmarks/results/cold_probe.json`)."""
+        """Attention shapes already run on an exact layout (a new one may pay a plan build)."""
         self.cold_ms: float | None = None
         """What a new shape added to its first pack, learned from first packs (None: not yet)."""
         self._timing: tuple | None = None
-        """A route's timing still running on the GPU: (scale key, shape, estimate, start, end)."""
+        """A route's timing still running on the GPU: (key, shapes, estimate, start, end)."""
+
+    def set_startup(self, route: str, points: Sequence[tuple[int, float]]) -> None:
+        """The startup curve of `route`: (tokens, ms) of full packs; non-finite points dropped."""
+        self.startup[route] = tuple(sorted((int(t), float(ms)) for t, ms in points if math.isfinite(ms)))
+
+    def startup_estimate_ms(self, route: str, tokens: int) -> float:
+        """The startup curve at `tokens`; inf where the route was not measured (graphs trusted)."""
+        points = self.startup.get(route)
+        return interpolate(points, tokens) if points else math.inf
+
+    def eager_estimate_ms(self, route: str, budget: int, tokens: int, new: bool) -> float:
+        """A pack of `tokens` on `route`: the startup curve, scaled by what the route measured on
+        this budget's packs, plus the learned cold cost if it has a shape never run."""
+        scale = self.route_scale.get((route, budget), 1.0)
+        cold = (self.cold_ms or 0.0) if new else 0.0
+        return scale * self.startup_estimate_ms(route, tokens) + cold
 
     def timer(self):
         """A start mark: a CUDA event on the current stream (no wait), else the host clock."""
         if self.device.type != "cuda":
-            return time.perf_counter()
+            return self.clock()
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def time_route(self, key: tuple[str, int], shapes: list, estimate_ms: float, start) -> None:
+    def time_route(self, key: RouteKey, shapes: list, estimate_ms: float, start) -> None:
         """End a route's timing (`estimate_ms`: its startup estimate). CUDA: the GPU span between
-        the two events, read once it is done (`absorb_timing`, at the next pack; no wait here).
-        The span includes the GPU's idle gaps while the host launches: the cost that makes a
-        route host-bound."""
+        the two events (idle gaps while the host launches included), read once done, at the next
+        pack (`absorb_timing`): no wait here."""
         if not math.isfinite(estimate_ms) or estimate_ms <= 0:
             self.mark_run(shapes)
             return
         if not isinstance(start, torch.cuda.Event):
-            self._learn(key, shapes, (time.perf_counter() - start) * 1e3, estimate_ms)
+            self._learn(key, shapes, (self.clock() - start) * 1e3, estimate_ms)
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record(torch.cuda.current_stream(self.device))
@@ -98,10 +120,9 @@ class RouteCosts:
         while len(self._shapes_run) > SIGHTINGS_KEPT:
             self._shapes_run.popitem(last=False)
 
-    def _learn(self, key: tuple[str, int], shapes: list, measured_ms: float, estimate_ms: float) -> None:
+    def _learn(self, key: RouteKey, shapes: list, measured_ms: float, estimate_ms: float) -> None:
         """A pack of shapes all run before teaches the route's scale; a pack with a new shape
-        teaches the cold cost (what it took beyond the route's learned warm cost), once that
-        scale is known (before, the two cannot be told apart: the pack only marks its shapes)."""
+        teaches the cold cost (beyond the route's learned warm cost) once that scale is known."""
 
         def average(old: float | None, new: float) -> float:
             return new if old is None else (1 - LEARNED_WEIGHT) * old + LEARNED_WEIGHT * new
@@ -114,43 +135,19 @@ class RouteCosts:
             self.cold_ms = average(self.cold_ms, max(0.0, measured_ms - self.route_scale[key] * estimate_ms))
 
     def has_new_shape(self, shapes: list) -> bool:
-        """Whether one of these attention shapes was never run by a route without a graph."""
+        """Whether one of these attention shapes was never run on an exact layout."""
         return not all(shape in self._shapes_run for shape in shapes)
 
-    def forget(self, key: tuple[str, int], new: bool) -> None:
-        """The route `key` lost this pack to a graph: forget a little of what it learned beyond its
-        startup estimate (`FORGET_HALF_LIFE`), the cold cost too when the pack had a `new` shape."""
-        factor = 0.5 ** (1 / FORGET_HALF_LIFE)
+    def forget_scale(self, key: RouteKey) -> None:
+        """Route `key` lost a pack to a graph: forget a little of its learned excess over its estimate."""
         scale = self.route_scale.get(key)
         if scale is not None and scale > 1.0:
-            self.route_scale[key] = 1.0 + (scale - 1.0) * factor
-        if self.cold_ms and new:
-            self.cold_ms *= factor
+            self.route_scale[key] = 1.0 + (scale - 1.0) * self._forget_factor()
 
-    def eager_estimate_ms(self, entry: GraphEntry, tokens: int, new: bool, measured: str = "eager_ms") -> float:
-        """Time of a pack of `tokens` without a graph (`measured`: "eager_ms" uncompiled, "exact_ms"
-        compiled): interpolated between full packs measured at startup, scaled by what that route
-        measured on this budget's packs so far, plus the learned cold cost if no route without a
-        graph has run the pack's attention shape yet."""
-        scale = self.route_scale.get((measured, entry.key[0]), 1.0)
-        cold = (self.cold_ms or 0.0) if new else 0.0
-        return scale * self.startup_estimate_ms(entry, tokens, measured) + cold
+    def forget_cold(self) -> None:
+        """A pack with a new shape went to a graph: forget a little of the learned cold cost."""
+        if self.cold_ms:
+            self.cold_ms *= self._forget_factor()
 
-    def startup_estimate_ms(self, entry: GraphEntry, tokens: int, measured: str) -> float:
-        budget, seqlen = entry.key
-        own = getattr(entry, measured)
-        if math.isnan(own):
-            return math.inf  # not measured (self-check off): trust the graph
-        index = self.ladder.index(budget)
-        if index == 0:
-            return own
-        previous = self.ladder[index - 1]
-        lower = [
-            getattr(e, measured)
-            for e in self._by_budget[previous]
-            if e.key[1] <= seqlen and not math.isnan(getattr(e, measured))
-        ]
-        if not lower:
-            return own
-        share = (tokens - previous) / (budget - previous)
-        return lower[-1] + (own - lower[-1]) * share
+    def _forget_factor(self) -> float:
+        return 0.5 ** (1 / self.forget_half_life)

@@ -1,30 +1,27 @@
-"""Synthetic packs for the startup self-check and for timing graphs against eager runs."""
+"""Synthetic packs, errors and timings for the warm-up's checks (and for benchmarks)."""
 
 from __future__ import annotations
 
-import math
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
-from models import attention
-from models.protocol import ItemSpec
+from models.protocol import EncoderOutput, ItemSpec, VisionEncoder
 
 
-def synthetic_specs(token_budget: int, max_seqlen: int, merge_unit: int, max_items: int) -> list[ItemSpec]:
-    """Square image items whose frames are as long as `max_seqlen` allows, filling the budget."""
-    merge = math.isqrt(merge_unit)
-    side = max(merge, math.isqrt(max_seqlen) // merge * merge)
-    item_patches = side * side
-    count = max(1, min(max_items, token_budget * merge_unit // item_patches))
-    spec = ItemSpec("image", (1, side, side), item_patches, item_patches // merge_unit)
-    specs = [spec] * count
-    left = token_budget * merge_unit - count * item_patches
-    if count < max_items and left >= merge_unit:
-        rows = max(merge, min(side, left // side // merge * merge))
-        if rows * side <= left:
-            specs.append(ItemSpec("image", (1, rows, side), rows * side, rows * side // merge_unit))
+def synthetic_specs(encoder: VisionEncoder, token_budget: int, max_seqlen: int, max_items: int) -> list[ItemSpec]:
+    """The encoder's sample images, frames as long as `max_seqlen` allows, filling up to the budget."""
+    rows = token_budget * encoder.merge_unit
+    item = encoder.synthetic_item(min(max_seqlen, rows))
+    count = max(1, min(max_items, rows // item.input_patches))
+    specs = [item] * count
+    left = rows - count * item.input_patches
+    if count < max_items and left >= encoder.merge_unit:
+        rest = encoder.synthetic_item(left)
+        if rest.input_patches <= left:
+            specs.append(rest)
     return specs
 
 
@@ -36,9 +33,23 @@ def synthetic_pixels(specs: list[ItemSpec], patch_dim: int, device: torch.device
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    expected = expected.float()
+    """max |actual - expected| / max |expected| in float32 (reads the result: waits for the device)."""
+    expected = expected.float().to(actual.device)
     scale = expected.abs().max().clamp_min(1e-12)
     return ((actual.float() - expected).abs().max() / scale).item()
+
+
+def outputs_error(outputs: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> float:
+    """The largest relative error over the expected tensors (NaN or inf when one is not finite)."""
+    return max(relative_error(outputs[name], want) for name, want in expected.items())
+
+
+def pack_error(tokens: torch.Tensor, deepstack: torch.Tensor | None, eager: EncoderOutput) -> float:
+    """Relative error of a pack's used output rows against the eager forward of the same items."""
+    error = relative_error(tokens, eager.tokens[: tokens.shape[0]])
+    if eager.deepstack is not None and deepstack is not None:
+        error = max(error, relative_error(deepstack, eager.deepstack[:, : tokens.shape[0]]))
+    return error
 
 
 def interleaved_ms(
@@ -55,13 +66,7 @@ def interleaved_ms(
     order = list(paths.items())
     for round_ in range(repeats):
         for name, fn in order if round_ % 2 == 0 else order[::-1]:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            samples[name].append((time.perf_counter() - start) * 1e3)
+            samples[name].append(synchronized_ms(fn, device))
     return {name: sorted(values)[len(values) // 2] for name, values in samples.items()}
 
 
@@ -80,11 +85,17 @@ def back_to_back_ms(fn: Callable[[], object], device: torch.device, repeats: int
     return (time.perf_counter() - start) * 1e3 / repeats
 
 
-def captured(fn: Callable[[], object], warmup: int = 2, calls: int = 1) -> torch.cuda.CUDAGraph:
-    """`fn` called `calls` times in one CUDA graph, after `warmup` calls on a side stream."""
+def captured(
+    fn: Callable[[], object],
+    warmup: int = 2,
+    calls: int = 1,
+    mode: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> torch.cuda.CUDAGraph:
+    """`fn` called `calls` times in one CUDA graph, after `warmup` calls on a side stream, both in
+    `mode()` (e.g. an encoder's `capturing`, so the warm-up picks the kernels the capture will)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with attention.for_graph():  # the warm-up picks the kernels the capture will
+    with mode():
         with torch.cuda.stream(side):
             for _ in range(warmup):
                 fn()
@@ -105,3 +116,20 @@ def graph_replay_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 2
 def time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 3, warmup: int = 1) -> float:
     """Median wall ms of `fn`, synchronized."""
     return interleaved_ms({"fn": fn}, device, repeats, warmup)["fn"]
+
+
+def synchronized_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall ms of one call of `fn`, the device idle before and done after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def best_ms(fn: Callable[[], object], device: torch.device, repeats: int = 2) -> float:
+    """The fastest of `repeats` synchronized runs of an already warm `fn`: the least noisy single
+    number for a cost model (noise only ever adds time)."""
+    return min(synchronized_ms(fn, device) for _ in range(repeats))

@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 
 EAGER_REASONS = (
     "oversize",  # the pack is larger than the largest budget
-    "no_graph",  # no captured graph fits (CPU, graphs off, or disabled by the self-check)
+    "no_graph",  # no graph fits (disabled by a check)
+    "warming",  # the graph that fits is not built yet (background warm-up in progress)
     "capacity",  # the pack has more attention segments than the fitting graph's buffers hold
     "cost",  # the measured costs say no graph (eager, or compiled on the exact layout) is faster
     "nonfinite",  # the graph produced NaN/inf at run time; the pack was recomputed eagerly
+    "mismatch",  # the graph's first real pack disagreed with eager; recomputed eagerly, graph disabled
 )
 
 
@@ -48,6 +50,10 @@ class RunnerStats:
     """Output tokens of padding computed by graphs."""
     disabled_graphs: int = 0
     """Graphs disabled by the self-check or at run time."""
+    first_pack_checks: int = 0
+    """Graphs whose first real pack was checked against eager."""
+    first_pack_mismatches: int = 0
+    """Of those, graphs whose first real pack disagreed (disabled; the pack served eagerly)."""
     packs: int = 0
     items: int = 0
     split_packs: int = 0
@@ -113,6 +119,8 @@ class RunnerStats:
             "eager_fallbacks": {reason: self.eager_fallbacks[reason] for reason in EAGER_REASONS},
             "padding_waste": round(self.padding_waste, 4),
             "disabled_graphs": self.disabled_graphs,
+            "first_pack_checks": self.first_pack_checks,
+            "first_pack_mismatches": self.first_pack_mismatches,
             "split_packs": self.split_packs,
             "compiled_exact": self.compiled_exact,
             "recompile_fallbacks": self.recompile_fallbacks,

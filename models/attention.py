@@ -1,48 +1,24 @@
-"""Varlen attention for packed vision sequences, registered with transformers.
+"""Attention for packed vision sequences: an `AttentionBackend` per encoder, registered with transformers.
 
-transformers' vision towers take the varlen branch (one kernel over all segments, driven by
-`cu_seqlens` and `max_seqlen`) only when `config._attn_implementation` contains "flash".
-We register our own function under such a name:
+transformers' vision towers take their varlen branch (one kernel over all segments, driven by
+`cu_seqlens` and `max_seqlen`) only when `config._attn_implementation` contains "flash", so each
+backend registers itself under such a name and the encoder that owns it points its tower there.
+The kernel choice lives in the backend object, never in module state: two encoders in one
+process may run different kernels.
 
-- CUDA: a varlen kernel over all segments, driven by `cu_seqlens` in a static int32 buffer,
-  no host sync, capturable in a CUDA graph. Three kernels (`set_backend`):
-  - cuDNN's, through NVIDIA's own Python frontend (`nvidia-cudnn-frontend`, the `cudnn`
-    extra), for layouts whose `max_seqlen` is >= `CUDNN_MIN_SEQLEN`: it caches its built graph
-    and derives the ragged offsets on the device, so it captures (torch 2.11's own cuDNN
-    varlen path rebuilds the graph on every call, 50-70 ms, and breaks capture). On an H100
-    it runs the mixed pack's padded layout 1.55x faster than FlashAttention-2 at Qwen3-VL's
-    16 x 72 heads and 1.64x at Qwen2.5-VL's 16 x 80 (`benchmarks/results/cudnn_probe.json`);
-  - FlashAttention-2's (`aten._flash_attention_forward`): below that length (many short
-    segments: Qwen2.5-VL's 64-patch windows, where cuDNN is 1.8x slower), and everywhere
-    when the frontend is not installed or the GPU is older than Hopper;
-  - ours, in Triton (`models/triton_attention.py`, backend "triton", the default on Hopper or
-    newer): a tile as wide as the head (80 columns for Qwen3-VL's 72, not 128), for every varlen
-    layout, and for long exact segments at Qwen3-VL's head dim. On an H100 it takes 10-22% less
-    time than cuDNN's varlen kernel on the padded packs and 6-10% on mixed ones, 24% less than
-    FlashAttention-2 on Qwen2.5-VL's windows, and 5% less than dense cuDNN on one 1792x1792
-    image at 16 x 72 (`benchmarks/results/triton_probe.json`). End to end, same host
-    (`encoder_bench_qwen3_{triton,cudnn}_session11.md`): Qwen3-VL-8B's 1792x1792 78.2 against
-    80.1 ms, mixed pack 21.2 against 21.8.
-  Every segment, padding included, must be <= `max_seqlen` or the result is silently wrong;
-  callers guarantee it (see `models/layout.py`).
-- CUDA, exact layouts (unpadded: eager, the runner's compiled exact route, or a recurring
-  pack's own graph; from the `exact_segments` hint): consecutive segments of equal length are
-  dense `[count, heads, length, dim]` batches, each run by SDPA with cuDNN first (under
-  backend "triton", segments longer than `TRITON_OVER_DENSE_SEQLEN` at a head dim not a
-  multiple of 16 take the Triton kernel instead, and outside a CUDA graph shorter ones do too:
-  `TRITON_OUTSIDE_GRAPHS`). On an H100
-  (torch 2.11, cuDNN 9.19, Qwen3-VL's 16 x 72 heads) cuDNN runs one 12544-patch image at 388
-  TFLOP/s where the FlashAttention-2 varlen kernel runs 238 (`benchmarks/results/qwen3_probe.json`)
-  and cuDNN's varlen kernel 357 (`cudnn_probe.json`). Where the cuDNN varlen kernel is in use,
-  a layout of several runs takes it (one call: 0.219 ms for the mixed pack, against 0.268 ms
-  as three dense batches); with FlashAttention-2 it is the dense batches. The segment lengths
-  come from the host (`exact_segments(...)`, set by the caller around the forward, like
-  vLLM's forward context) and are read inside an opaque custom op, so torch.compile sees no
-  lengths: one compile serves equal and unequal packs alike, with no guard on any length.
-  Without lengths set, or with lengths that do not match the rows, it is the varlen kernel.
-- CPU: scaled dot-product attention per segment, exact in float32. It reads the segment
-  lengths on the host, which is free on CPU (there are no CUDA graphs to break). Exact layouts
-  take the same grouped op as on CUDA (SDPA's CPU kernels), so CI covers its grouping.
+- CUDA, padded layouts: one varlen kernel over every segment, driven by `cu_seqlens` in a static
+  int32 buffer, with no host sync, so it captures in a CUDA graph. Kernels: FlashAttention-2,
+  cuDNN's through `nvidia-cudnn-frontend` (from `CUDNN_MIN_SEQLEN` up; it caches its built graph,
+  which torch's own cuDNN varlen path rebuilds per call), or ours in Triton
+  (`models/triton_attention.py`: a tile as wide as the head). Every segment, padding included,
+  must be <= `max_seqlen` or the result is silently wrong; `models/layout.py` guarantees it.
+- Exact layouts (unpadded; the caller names the segment lengths with `exact_segments`): each run
+  of equal segments is one dense `[count, heads, length, dim]` batch through SDPA (cuDNN first),
+  unless one varlen launch serves better (several runs under cuDNN or Triton, long segments at a
+  head dim that is not a multiple of 16 under Triton, or any launch-bound call under Triton). The
+  lengths are read inside an opaque custom op at run time, so torch.compile never specialises on
+  them.
+- CPU: SDPA per segment (exact in float32); exact layouts take the same grouped op as on CUDA.
 """
 
 from __future__ import annotations
@@ -56,14 +32,29 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-ATTN_IMPLEMENTATION = "flash_varlen_encoder"
+from .protocol import segment_groups
+
+IMPLEMENTATION_PREFIX = "flash_varlen_encoder"
 EXACT_SEGMENTS = "exact_segments"
 """Keyword (passed through the tower to attention) carrying an `ExactSegments` hint; set only by
-unpadded exact-layout forwards (eager, the runner's compiled exact route, or a recurring pack's
-own graph of its exact layout), never a padded budget graph."""
+exact-layout forwards, never a padded budget graph."""
+BACKENDS = ("auto", "cudnn", "flash", "triton")
+DEFAULT_BACKEND = "auto"
+KERNELS = ("sdpa", "flash", "cudnn", "triton")
+"""Resolved kernels: "sdpa" on CPU, the other three on CUDA."""
 MAX_GROUPS = 8
-"""At most this many runs of equal segments are attended to as dense batches; a pack of more
-runs (sizes interleaved) keeps the one varlen kernel: outside a CUDA graph each run is a launch."""
+"""At most this many runs of equal segments become dense batches; more keep one varlen launch."""
+CUDNN_MIN_SEQLEN = 512
+"""Under "cudnn", layouts whose `max_seqlen` is at least this take cuDNN's varlen kernel, shorter
+ones FlashAttention-2's (faster on many short segments such as Qwen2.5-VL's windows)."""
+TRITON_OVER_DENSE_SEQLEN = 4096
+"""Under "triton", exact segments longer than this at a head dim that is not a multiple of 16 take
+the Triton kernel (which loads keys and values by TMA there) instead of dense cuDNN."""
+TRITON_GRAPH_BUCKETS = (1024, 4096)
+"""`max_seqlen` buckets of padded graphs under "triton", below each budget's own rows. The Triton
+kernel's programs past a segment's end return at once, so a bucket is kept only where it changes
+what runs: 4096 is where TMA loads start, 1024 keeps small images' graphs timed on segments like
+theirs. Few buckets per budget are what allow a fine budget ladder."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,8 +62,8 @@ class ExactSegments:
     """The rows are unpadded segments, laid out by exactly this `cu_seqlens` tensor.
 
     Attention uses the hint only when called with that very tensor, so layers attending over
-    other segments (Qwen2.5-VL's windows) keep the varlen kernel. It carries no length (see
-    `exact_segments`): nothing in it specialises a compile."""
+    other segments (Qwen2.5-VL's windows) keep the varlen kernel. It carries no length: nothing
+    in it specialises a compile."""
 
     cu_seqlens: torch.Tensor
 
@@ -82,204 +73,29 @@ class ExactSegments:
 
 @dataclass(frozen=True)
 class _Segments:
-    """What the attention op needs from the host: the groups, and what they must match."""
+    """What the grouped op needs from the host: the groups, and what they must match."""
 
     groups: tuple[tuple[int, int], ...]
     count: int
     rows: int
 
 
-_current: ContextVar[_Segments | None] = ContextVar("exact_segments", default=None)
+_current_segments: ContextVar[_Segments | None] = ContextVar("exact_segments", default=None)
+"""Per-call context (like vLLM's forward context), not backend state: set around one forward."""
+_in_graph: ContextVar[bool] = ContextVar("attention_for_graph", default=False)
 
 
 @contextlib.contextmanager
 def exact_segments(lengths: Sequence[int]) -> Iterator[None]:
     """The segment lengths (host ints, in row order) of the exact-layout forward run inside,
-    grouped once here for every layer. Read at run time by the attention op, so in a CUDA graph
-    they are baked at capture."""
+    grouped once here for every layer. Read at run time by the grouped op (in a CUDA graph: at
+    capture)."""
     lengths = [int(n) for n in lengths]
-    token = _current.set(_Segments(tuple(segment_groups(lengths)), len(lengths), sum(lengths)))
+    token = _current_segments.set(_Segments(tuple(segment_groups(lengths)), len(lengths), sum(lengths)))
     try:
         yield
     finally:
-        _current.reset(token)
-
-
-def segment_groups(lengths: Sequence[int]) -> list[tuple[int, int]]:
-    """Runs of consecutive equal lengths as `(count, length)`, in order; empty segments dropped."""
-    groups: list[tuple[int, int]] = []
-    for length in lengths:
-        if length <= 0:
-            continue
-        if groups and groups[-1][1] == length:
-            groups[-1] = (groups[-1][0] + 1, length)
-        else:
-            groups.append((1, length))
-    return groups
-
-
-def _groups_for(rows: int, segments: int) -> tuple[tuple[int, int], ...] | None:
-    """The current groups when they describe these rows and this many segments and are few
-    enough; else None (the varlen kernel)."""
-    current = _current.get()
-    if current is None or current.count != segments or current.rows != rows:
-        return None
-    return current.groups if 0 < len(current.groups) <= MAX_GROUPS else None
-
-
-exact_hint_hits = 0
-"""Attention calls that found their `ExactSegments` hint applicable (the grouped op, on CUDA and
-CPU alike). Lets CPU tests check the hint reaches the right layers."""
-BACKENDS = ("auto", "cudnn", "flash", "triton")
-DEFAULT_BACKEND = "auto"
-CUDNN_MIN_SEQLEN = 512
-"""Layouts with a `max_seqlen` at least this take cuDNN's varlen kernel (backend "cudnn"); shorter
-ones FlashAttention-2's. `cudnn_probe.json` (H100, in CUDA graphs, cuDNN vs FlashAttention-2):
-32 x 256-patch images 0.074 vs 0.069 ms, 64-patch windows 0.064 vs 0.036; from 784-patch
-segments up cuDNN wins (8 x 784 padded 0.135 vs 0.163, the mixed pack 0.300 vs 0.466)."""
-TRITON_OVER_DENSE_SEQLEN = 4096
-"""Under backend "triton", exact layouts whose longest segment is above this, at a head dim that is
-not a multiple of 16, take the Triton kernel (which loads through TMA there) instead of dense
-cuDNN. H100 (`triton_probe.json`): one 12544-patch segment at Qwen3-VL's 16 x 72 in 1.809 ms
-against 1.901 (1.746 against 1.873 on another host); 8 x 784 at 16 x 72 stays dense cuDNN (0.103
-against 0.107), and so does Qwen2.5-VL's 16 x 80 (one 16384-patch segment: 3.063 against 3.241).
-Measured at 72 and 80 only."""
-_use_cudnn: bool | None = None
-"""Whether the cuDNN varlen kernel serves; None until `set_backend` or the first `register()`
-(an encoder's construction) resolves the default."""
-_use_triton = False
-"""Whether our Triton kernel (`models/triton_attention.py`) serves every varlen layout."""
-
-
-def triton_available(device: torch.device | None = None) -> bool:
-    """Whether the Triton kernel can serve: CUDA, Triton imports, and an Ampere or newer GPU."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import triton  # noqa: F401
-    except Exception:  # noqa: BLE001 - not installed
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 8
-
-
-def cudnn_frontend_available(device: torch.device | None = None) -> bool:
-    """Whether cuDNN's varlen kernel can serve: the frontend imports and the GPU is Hopper or
-    newer (where it was measured against FlashAttention-2)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import cudnn  # noqa: F401  (nvidia-cudnn-frontend)
-    except Exception:  # noqa: BLE001 - not installed, or its library does not load: FlashAttention-2 serves
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def set_backend(name: str) -> str:
-    """CUDA varlen kernel: "flash" always FlashAttention-2; "cudnn" cuDNN's varlen kernel through
-    `nvidia-cudnn-frontend` for layouts of `max_seqlen >= CUDNN_MIN_SEQLEN` (FlashAttention-2
-    below), an error if it cannot serve; "triton" our Triton kernel for every varlen layout, an
-    error if it cannot serve; "auto" (default) is "triton" on a Hopper or newer GPU with Triton
-    (where it was measured), else "cudnn" where it can serve, else "flash". Exact layouts of equal
-    segments run dense cuDNN SDPA under every backend (under "triton": in CUDA graphs only, and not
-    long ones at a head dim not a multiple of 16, `TRITON_OVER_DENSE_SEQLEN`,
-    `TRITON_OUTSIDE_GRAPHS`). Returns the backend in effect."""
-    global _use_cudnn, _use_triton
-    if name not in BACKENDS:
-        raise ValueError(f"attention backend {name!r} is not one of {BACKENDS}")
-    if name == "auto" and triton_available() and torch.cuda.get_device_capability()[0] >= 9:
-        name = "triton"
-    if name == "triton":
-        if not triton_available():
-            raise ValueError("attention backend 'triton' needs a CUDA GPU (Ampere or newer) and triton")
-        _use_cudnn, _use_triton = False, True
-        return "triton"
-    _use_triton = False
-    available = name != "flash" and cudnn_frontend_available()
-    if name == "cudnn" and not available:
-        raise ValueError(
-            "attention backend 'cudnn' needs a Hopper or newer GPU and nvidia-cudnn-frontend "
-            "(pip install '.[cudnn]'); use 'auto' to fall back to FlashAttention-2"
-        )
-    _use_cudnn = available
-    return "cudnn" if available else "flash"
-
-
-def _takes_cudnn(max_seqlen: int) -> bool:
-    return bool(_use_cudnn) and max_seqlen >= CUDNN_MIN_SEQLEN
-
-
-def _flash_varlen(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None) -> torch.Tensor:
-    out = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False, scale=scale
-    )
-    return out[0]
-
-
-def _cudnn_varlen(q, k, v, cu_seqlens, max_seqlen: int, scale: float) -> torch.Tensor:
-    """cuDNN's varlen kernel: the frontend builds its graph once per (segment slots,
-    max_seqlen, strides) and then only launches (the runner's warm-up builds it outside capture).
-    Zero-length trailing slots are allowed; every row must be in a segment."""
-    import cudnn
-
-    return cudnn.sdpa_torch(
-        q, k, v, scale=scale, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-        max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
-    )  # fmt: skip
-
-
-@torch.library.custom_op("vlm_encoder::cudnn_varlen_attention", mutates_args=())
-def cudnn_varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
-) -> torch.Tensor:
-    """cuDNN's varlen kernel as one opaque op: torch.compile does not trace into the frontend's
-    Python (its graph cache, its offset tensors), which runs at call time (at capture, in a graph)."""
-    return _cudnn_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
-
-
-@cudnn_varlen_attention.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, scale):
-    return torch.empty_like(q)
-
-
-@torch.library.custom_op("vlm_encoder::triton_varlen_attention", mutates_args=())
-def triton_varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
-) -> torch.Tensor:
-    """Our Triton kernel as one opaque op (compiled forwards call it as they call cuDNN's).
-    Rows outside every segment are left uninitialised (not zeroed: a memset per call); as for
-    cuDNN's, the runner's layouts put every row in a segment (`models/layout.py`)."""
-    from .triton_attention import aligned, varlen_attention
-
-    return varlen_attention(*(aligned(t) for t in (q, k, v)), cu_seqlens, max_seqlen, scale)
-
-
-@triton_varlen_attention.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, scale):
-    return torch.empty_like(q)
-
-
-def _varlen_cuda(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None) -> torch.Tensor:
-    """The varlen kernel for this layout. `max_seqlen` is a plain int here (the caller's `int()`
-    specialises it, as each graph's layout does anyway), so the choice adds no recompile; below
-    the threshold the traced FlashAttention-2 call is exactly what it was without cuDNN."""
-    if _use_triton and q.shape[-1] % 8 == 0:  # 16-byte rows (every head dim served so far)
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
-    if not _takes_cudnn(max_seqlen):
-        return _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return cudnn_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
-
-
-TRITON_OUTSIDE_GRAPHS = True
-"""Under backend "triton", exact layouts of short segments (<= `TRITON_OVER_DENSE_SEQLEN`) run
-outside a CUDA graph (the runner's compiled exact route, eager) take the Triton kernel, not dense
-cuDNN: there the host pays every launch, and the kernel's op costs it less than SDPA's cuDNN call
-(71-85 against 92-96 us at 8 x 784 on three H100 hosts, 133 against 174 on a fourth,
-`launch_probe*.json`), with no cuDNN graph to build for a new
-shape (~60 ms each, `cold_probe.json`). In a graph (`for_graph`, or while capturing) dense cuDNN
-keeps them: there only GPU time counts."""
-_in_graph: ContextVar[bool] = ContextVar("attention_for_graph", default=False)
+        _current_segments.reset(token)
 
 
 @contextlib.contextmanager
@@ -295,94 +111,77 @@ def for_graph() -> Iterator[None]:
 
 def _launch_bound() -> bool:
     """Whether the host pays this call's launch every time it runs (not in a graph)."""
-    return TRITON_OUTSIDE_GRAPHS and not _in_graph.get() and not torch.cuda.is_current_stream_capturing()
+    return not _in_graph.get() and not torch.cuda.is_current_stream_capturing()
 
 
-TRITON_GRAPH_BUCKETS = (1024, 4096)
-"""max_seqlen buckets of padded graphs under backend "triton" (below each budget's own rows). The
-Triton kernel's grid is (query blocks of max_seqlen, heads, segment slots), but its programs past
-a segment's end return at once, and on an H100 a graph's layout with one bucket per 4x costs it
-what the doubling buckets did (`benchmarks/results/grid_probe.json`: 8 x 448x448 in the 1024
-bucket 0.1085 against 0.1096 ms, 32 x 224x224 in 1024 instead of 256 0.0550 against 0.0538,
-Qwen2.5-VL's windows 0.94-1.02x). So a bucket is kept only where it changes what runs or what the
-runner assumes: 4096 is where keys and values switch to TMA loads (`TMA_MIN_SEQLEN`: slower on
-shorter segments), and 1024 keeps the startup timings of packs of small images (up to 1024
-patches: 448x448 for Qwen2.5-VL, 512x512 for Qwen3-VL) on segments like theirs (a graph is
-timed on segments as long as its bucket allows, and the runner prices packs by those timings).
-Three graphs a budget at most is what lets the ladder be fine (`GraphConfig.fine_budget_steps`)."""
+def triton_available(device: torch.device | None = None) -> bool:
+    """Whether the Triton kernel can serve: CUDA, Triton imports, and an Ampere or newer GPU."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 8
 
 
-def graph_seqlen_buckets() -> tuple[int, ...] | None:
-    """The max_seqlen buckets of padded graphs under backend "triton" (`TRITON_GRAPH_BUCKETS`);
-    None under the others (cuDNN's and FlashAttention-2's varlen kernels, not measured with few
-    buckets): the runner doubles buckets from `min_seqlen_bucket` there, as it always did."""
-    return TRITON_GRAPH_BUCKETS if _use_triton else None
+def cudnn_frontend_available(device: torch.device | None = None) -> bool:
+    """Whether cuDNN's varlen kernel can serve: the frontend imports and the GPU is Hopper or newer."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cudnn  # noqa: F401  (nvidia-cudnn-frontend)
+    except Exception:  # noqa: BLE001 - not installed, or its library does not load
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def exact_in_one_call() -> bool:
-    """Whether an exact layout of unequal segments takes one attention launch per layer (the
-    Triton kernel over all its segments), not one dense call per run of equal segments."""
-    return _use_triton
+def _flash_varlen(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None) -> torch.Tensor:
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False, scale=scale
+    )
+    return out[0]
 
 
-def _dense(q, k, v, length: int, scale: float) -> torch.Tensor:
-    """`[count * length, heads, dim]` rows as one dense `[count, heads, length, dim]` batch
-    (strided views, no copy in). CUDA: cuDNN first, which allocates its output in q's layout, so
-    the result is a view too. CPU: SDPA's own choice, exact in float32.
-
-    Host cost (CUDA): ~130-320 us a call on the H100 hosts for ~100 us of kernel
-    (`benchmarks/results/launch_probe.json`); outside a CUDA graph that is what keeps the GPU
-    fed. Calling cuDNN's op directly saved ~40% of it, but was reverted: see the results README."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    batch = [t.unflatten(0, (t.shape[0] // length, length)).transpose(1, 2) for t in (q, k, v)]
-    if q.is_cuda:
-        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-        with sdpa_kernel(order, set_priority=True):
-            out = F.scaled_dot_product_attention(*batch, scale=scale)
-    else:
-        out = F.scaled_dot_product_attention(*batch, scale=scale)
-    return out.transpose(1, 2).flatten(0, 1)
-
-
-@torch.library.custom_op("vlm_encoder::exact_attention", mutates_args=())
-def exact_attention(
+@torch.library.custom_op("vlm_encoder::cudnn_varlen_attention", mutates_args=())
+def cudnn_varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
 ) -> torch.Tensor:
-    """Attention over an exact layout's segments: each run of equal segments (lengths from
-    `exact_segments`) as one dense batch (cuDNN on CUDA); where no lengths match, the varlen
-    kernel (CUDA) or per-segment SDPA (CPU). Opaque to torch.compile: the lengths are read
-    here, at run time (at capture, in a CUDA graph), never traced."""
-    groups = _groups_for(q.shape[0], cu_seqlens.shape[0] - 1)
-    if groups is not None and q.is_cuda:
-        several = len(groups) > 1 and (_use_triton or _takes_cudnn(max_seqlen))
-        long = max_seqlen > TRITON_OVER_DENSE_SEQLEN
-        narrow = q.shape[-1] % 16 != 0
-        if several or (_use_triton and (long and narrow or not long and _launch_bound())):
-            # One varlen call (cuDNN's, Triton's) beats a dense call per run; Triton's kernel
-            # beats dense cuDNN on long segments at a narrow head; and outside a CUDA graph its
-            # launch costs the host a fraction of SDPA's.
-            groups = None
-    if groups is None:
-        if not q.is_cuda:
-            return _segmented_sdpa(q, k, v, cu_seqlens, scale)
-        return _varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale)
-    outs, start = [], 0
-    for count, length in groups:
-        end = start + count * length
-        outs.append(_dense(q[start:end], k[start:end], v[start:end], length, scale))
-        start = end
-    # A fresh tensor either way: a custom op's output may not alias its inputs.
-    return outs[0].contiguous() if len(outs) == 1 else torch.cat(outs)
+    """cuDNN's varlen kernel as one opaque op: torch.compile does not trace into the frontend's
+    Python (its graph cache, built once per layout, then only launched). Zero-length trailing
+    slots are allowed; every row must be in a segment."""
+    import cudnn
+
+    return cudnn.sdpa_torch(
+        q, k, v, scale=scale, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+    )  # fmt: skip
 
 
-@exact_attention.register_fake
+@cudnn_varlen_attention.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, scale):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("vlm_encoder::triton_varlen_attention", mutates_args=())
+def triton_varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
+) -> torch.Tensor:
+    """Our Triton kernel as one opaque op. Rows outside every segment are left uninitialised;
+    the runner's layouts put every row in a segment (`models/layout.py`)."""
+    from .triton_attention import aligned, varlen_attention
+
+    return varlen_attention(*(aligned(t) for t in (q, k, v)), cu_seqlens, max_seqlen, scale)
+
+
+@triton_varlen_attention.register_fake
 def _(q, k, v, cu_seqlens, max_seqlen, scale):
     return torch.empty_like(q)
 
 
 def _segmented_sdpa(q, k, v, cu_seqlens, scale: float | None) -> torch.Tensor:
-    """Per-segment SDPA over `[tokens, heads, dim]` inputs; rows outside every segment are 0."""
+    """Per-segment SDPA over `[tokens, heads, dim]` inputs (reads the lengths on the host: CPU only);
+    rows outside every segment are 0."""
     out = torch.zeros_like(q)
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
@@ -393,45 +192,195 @@ def _segmented_sdpa(q, k, v, cu_seqlens, scale: float | None) -> torch.Tensor:
     return out
 
 
-def varlen_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    cu_seq_lens_q: torch.Tensor | None = None,
-    cu_seq_lens_k: torch.Tensor | None = None,
-    max_length_q: int | None = None,
-    max_length_k: int | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """transformers attention interface: `[1, heads, tokens, dim]` in, `[1, tokens, heads, dim]` out."""
-    if cu_seq_lens_q is None or max_length_q is None:
-        raise ValueError(f"{ATTN_IMPLEMENTATION} needs cu_seqlens and an integer max_seqlen")
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    exact = kwargs.get(EXACT_SEGMENTS)
-    use_exact = exact is not None and exact.applies(cu_seq_lens_q)
-    if use_exact and not torch.compiler.is_compiling():
-        # Not counted under torch.compile: dynamo guards on a global int it reads, so each
-        # increment would invalidate the compiled forward and recompile it on the next call.
-        global exact_hint_hits
-        exact_hint_hits += 1
-    if use_exact:
-        scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-        out = exact_attention(q, k, v, cu_seq_lens_q, int(max_length_q), scale)
-    elif q.is_cuda:
-        out = _varlen_cuda(q, k, v, cu_seq_lens_q, int(max_length_q), scaling)
-    else:
-        out = _segmented_sdpa(q, k, v, cu_seq_lens_q, scaling)
-    return out.unsqueeze(0), None
+_registered: dict[str, AttentionBackend] = {}
+"""Implementation name -> backend, as transformers' own `AttentionInterface` registry: the grouped
+op finds its backend by the name baked into the graph (a custom op takes no Python objects)."""
 
 
-def register() -> str:
-    """Register the function (idempotent) and return the name to put in `_attn_implementation`.
-    Resolves the default backend if none was set."""
-    if _use_cudnn is None:
-        set_backend(DEFAULT_BACKEND)
-    AttentionInterface.register(ATTN_IMPLEMENTATION, varlen_attention_forward)
-    return ATTN_IMPLEMENTATION
+@dataclass(frozen=True)
+class AttentionBackend:
+    """The attention kernels one encoder runs; created from a config name by `resolve`."""
+
+    kernel: str
+    """"sdpa" (CPU), "flash" (FlashAttention-2), "cudnn" (cuDNN's varlen from `CUDNN_MIN_SEQLEN`,
+    FlashAttention-2 below) or "triton" (ours, every varlen layout)."""
+    max_groups: int = MAX_GROUPS
+    """Most runs of equal segments an exact layout attends to as dense batches."""
+
+    def __post_init__(self) -> None:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"attention kernel {self.kernel!r} is not one of {KERNELS}")
+
+    @classmethod
+    def resolve(cls, name: str = DEFAULT_BACKEND, device: torch.device | str = "cpu") -> AttentionBackend:
+        """The backend for a config name on `device`: CPU always runs "sdpa"; on CUDA "auto" is
+        "triton" on a Hopper or newer GPU with Triton, else "cudnn" where it can serve, else
+        "flash"; "cudnn" and "triton" raise where they cannot serve."""
+        if name not in BACKENDS:
+            raise ValueError(f"attention backend {name!r} is not one of {BACKENDS}")
+        device = torch.device(device)
+        if device.type != "cuda":
+            return cls("sdpa")
+        if name == "auto" and triton_available(device) and torch.cuda.get_device_capability(device)[0] >= 9:
+            name = "triton"
+        if name == "triton":
+            if not triton_available(device):
+                raise ValueError("attention backend 'triton' needs a CUDA GPU (Ampere or newer) and triton")
+            return cls("triton")
+        available = name != "flash" and cudnn_frontend_available(device)
+        if name == "cudnn" and not available:
+            raise ValueError(
+                "attention backend 'cudnn' needs a Hopper or newer GPU and nvidia-cudnn-frontend "
+                "(pip install '.[cudnn]'); use 'auto' to fall back to FlashAttention-2"
+            )
+        return cls("cudnn" if available else "flash")
+
+    @property
+    def implementation(self) -> str:
+        """The name the tower's `config._attn_implementation` takes (contains "flash"); stable
+        across processes, so compiled graphs that bake it in stay cacheable."""
+        suffix = "" if type(self) is AttentionBackend else f"_{type(self).__name__}"
+        return f"{IMPLEMENTATION_PREFIX}_{self.kernel}{suffix}"
+
+    def register(self) -> str:
+        """Register this backend with transformers (idempotent) and return its implementation name."""
+        _registered[self.implementation] = self
+        AttentionInterface.register(self.implementation, self.forward)
+        return self.implementation
+
+    # ---- what the graph runner asks (through the encoder) ----
+
+    def graph_seqlen_buckets(self, budget_rows: int) -> tuple[int, ...] | None:
+        """Under "triton": `TRITON_GRAPH_BUCKETS` below the rows, then the rows; else None (the
+        other kernels' grids grow with `max_seqlen`: one bucket per doubling)."""
+        if self.kernel != "triton":
+            return None
+        return (*(b for b in TRITON_GRAPH_BUCKETS if b < budget_rows), budget_rows)
+
+    def exact_in_one_call(self, lengths: Sequence[int]) -> bool:
+        """Whether an exact layout of these segment lengths takes one attention launch per layer."""
+        return len(set(lengths)) <= 1 or self.kernel == "triton"
+
+    # ---- kernel choices (pure) ----
+
+    def varlen_kernel(self, max_seqlen: int, head_dim: int) -> str:
+        """The CUDA varlen kernel for a layout: "triton", "cudnn" or "flash"."""
+        if self.kernel == "triton" and head_dim % 8 == 0:  # 16-byte rows
+            return "triton"
+        if self.kernel == "cudnn" and max_seqlen >= CUDNN_MIN_SEQLEN:
+            return "cudnn"
+        return "flash"
+
+    def dense_on_cuda(
+        self, groups: Sequence[tuple[int, int]], max_seqlen: int, head_dim: int, launch_bound: bool
+    ) -> bool:
+        """Whether an exact CUDA layout of these runs attends as dense batches (else one varlen launch)."""
+        triton = self.kernel == "triton"
+        several = len(groups) > 1 and (triton or self.varlen_kernel(max_seqlen, head_dim) == "cudnn")
+        long = max_seqlen > TRITON_OVER_DENSE_SEQLEN
+        narrow = head_dim % 16 != 0
+        return not (several or (triton and (long and narrow or not long and launch_bound)))
+
+    # ---- kernels ----
+
+    def varlen(self, q, k, v, cu_seqlens, max_seqlen: int, scale: float | None) -> torch.Tensor:
+        """The CUDA varlen kernel over `[rows, heads, dim]`; `max_seqlen` a plain int (each layout
+        specialises it anyway), so the choice adds no recompile."""
+        kernel = self.varlen_kernel(max_seqlen, q.shape[-1])
+        if kernel == "flash":
+            return _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        op = triton_varlen_attention if kernel == "triton" else cudnn_varlen_attention
+        return op(q, k, v, cu_seqlens, max_seqlen, scale)
+
+    def dense(self, q, k, v, length: int, scale: float) -> torch.Tensor:
+        """`[count * length, heads, dim]` rows as one dense `[count, heads, length, dim]` batch
+        (strided views, no copy in). CUDA: cuDNN first; CPU: SDPA's own choice."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        batch = [t.unflatten(0, (t.shape[0] // length, length)).transpose(1, 2) for t in (q, k, v)]
+        if q.is_cuda:
+            order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+            with sdpa_kernel(order, set_priority=True):
+                out = F.scaled_dot_product_attention(*batch, scale=scale)
+        else:
+            out = F.scaled_dot_product_attention(*batch, scale=scale)
+        return out.transpose(1, 2).flatten(0, 1)
+
+    def exact(self, q, k, v, cu_seqlens, max_seqlen: int, scale: float) -> torch.Tensor:
+        """Attention over an exact layout: each run of equal segments (from `exact_segments`) as one
+        dense batch where that serves; else the varlen kernel (CUDA) or per-segment SDPA (CPU)."""
+        groups = self._groups_for(q.shape[0], cu_seqlens.shape[0] - 1)
+        if (
+            groups is not None
+            and q.is_cuda
+            and not self.dense_on_cuda(groups, max_seqlen, q.shape[-1], _launch_bound())
+        ):
+            groups = None
+        if groups is None:
+            if not q.is_cuda:
+                return _segmented_sdpa(q, k, v, cu_seqlens, scale)
+            return self.varlen(q, k, v, cu_seqlens, max_seqlen, scale)
+        outs, start = [], 0
+        for count, length in groups:
+            end = start + count * length
+            outs.append(self.dense(q[start:end], k[start:end], v[start:end], length, scale))
+            start = end
+        # A fresh tensor either way: a custom op's output may not alias its inputs.
+        return outs[0].contiguous() if len(outs) == 1 else torch.cat(outs)
+
+    def _groups_for(self, rows: int, segments: int) -> tuple[tuple[int, int], ...] | None:
+        """The current groups when they describe these rows and segments and are few enough."""
+        current = _current_segments.get()
+        if current is None or current.count != segments or current.rows != rows:
+            return None
+        return current.groups if 0 < len(current.groups) <= self.max_groups else None
+
+    def forward(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        """transformers attention interface: `[1, heads, tokens, dim]` in, `[1, tokens, heads, dim]` out."""
+        if cu_seq_lens_q is None or max_length_q is None:
+            raise ValueError(f"{self.implementation} needs cu_seqlens and an integer max_seqlen")
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        hint = kwargs.get(EXACT_SEGMENTS)
+        if hint is not None and hint.applies(cu_seq_lens_q):
+            scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+            out = exact_attention(q, k, v, cu_seq_lens_q, int(max_length_q), scale, self.implementation)
+        elif q.is_cuda:
+            out = self.varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scaling)
+        else:
+            out = _segmented_sdpa(q, k, v, cu_seq_lens_q, scaling)
+        return out.unsqueeze(0), None
+
+
+@torch.library.custom_op("vlm_encoder::exact_attention", mutates_args=())
+def exact_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
+    implementation: str,
+) -> torch.Tensor:
+    """`AttentionBackend.exact` of the backend registered as `implementation`, opaque to
+    torch.compile: the segment lengths are read here at run time (at capture, in a CUDA graph)."""
+    return _registered[implementation].exact(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+@exact_attention.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, scale, implementation):
+    return torch.empty_like(q)

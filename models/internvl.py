@@ -14,8 +14,11 @@ and exact runs of it agree.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import ClassVar
 
 import torch
@@ -51,7 +54,11 @@ class InternVLEncoder:
     """Checkpoint key prefix -> tower key prefix, for the full VLM and vision-only checkpoints alike."""
     num_deepstack = 0
 
-    def __init__(self, tower: InternVLVisionTower, preprocessor: TilePreprocessor, name: str):
+    def __init__(
+        self, tower: InternVLVisionTower, preprocessor: TilePreprocessor, name: str, attention: object = "auto"
+    ):
+        """`attention` is accepted for the loaders' common signature: every tile attends densely
+        with SDPA, so there is no kernel to choose."""
         self.name = name
         self.tower = tower.eval().requires_grad_(False)
         self.tower.vision_tower.config._attn_implementation = "sdpa"
@@ -140,6 +147,35 @@ class InternVLEncoder:
     @property
     def out_hidden(self) -> int:
         return self.tower.out_hidden
+
+    # ---- what the graph runner asks ----
+
+    def graph_seqlen_buckets(self, budget_rows: int) -> tuple[int, ...] | None:
+        """One bucket: every attention segment is one tile."""
+        return (self.tower.tile_patches,)
+
+    def synthetic_item(self, patches: int) -> ItemSpec:
+        """An image of whole tiles (at least one)."""
+        return self.preprocessor.spec("image", max(1, patches // self.tower.tile_patches))
+
+    def exact_segments(self, specs: Sequence[ItemSpec]) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def exact_in_one_call(self, specs: Sequence[ItemSpec]) -> bool:
+        return True  # one dense SDPA call over all the pack's tiles
+
+    def capturing(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def compile_identity(self) -> dict[str, str]:
+        config = hashlib.sha256(self.tower.config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
+        return {
+            "family": self.family,
+            "name": self.name,
+            "tower_config": config,
+            "attention": "sdpa",
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
 
     # ---- layouts and metadata ----
 

@@ -19,7 +19,17 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .protocol import ItemSpec, PackCapacityError, PackLayout
+from .protocol import ItemSpec, PackCapacityError, PackLayout, segment_lengths
+
+__all__ = [
+    "PADDING_BLOCK",
+    "exact_layout",
+    "pack_rows",
+    "padded_cu_seqlens",
+    "padded_rows",
+    "padding_chunks",
+    "segment_lengths",
+]
 
 PADDING_BLOCK = 128
 """Padding segments are cut to this many rows where slots allow: FlashAttention's query block."""
@@ -67,14 +77,11 @@ def padded_rows(
     """Per-item row blocks (numpy arrays or CPU tensors of `row_shape` rows) one after another in
     one fresh `[total, *row_shape]` tensor, `fill` rows after them. The pieces are never aliased
     (they are the per-grid caches); a run of the same piece object (equal items, which a pack's
-    canonical order puts side by side) is written in one broadcast assignment: Qwen3-VL-8B's
-    metadata for 8 x 448x448 takes 0.028 ms instead of 0.060 on the CI machine.
+    canonical order puts side by side) is written in one broadcast assignment.
 
     Copied and filled through numpy, not torch: torch runs an op over more than 32768 elements on
     its intra-op thread pool, whose threads sleep while the replica waits on the GPU and take
-    milliseconds to wake. Qwen3-VL-8B's 1792x1792 image (12800 rows x 4 interpolation taps) spent
-    ~11 ms of its first sighting in such ops against 0.4 ms in a warm loop, H100 host
-    (`first_sighting_probe_steps16.json`); 5.7 ms per op after a 70 ms idle on the 2-core CI machine."""
+    milliseconds to wake, on the host path of every pack."""
     used = sum(piece.shape[0] for piece in pieces)
     if used > total:
         raise PackCapacityError(f"{used} rows do not fit a buffer of {total}")
@@ -94,11 +101,6 @@ def padded_rows(
         index += run
     array[start:] = fill
     return out
-
-
-def segment_lengths(specs) -> list[int]:
-    """Attention segment lengths of items in pack order: one per frame (temporal patch)."""
-    return [s.frame_patches for s in specs for _ in range(s.grid_thw[0])]
 
 
 def exact_layout(specs: Sequence[ItemSpec]) -> PackLayout:

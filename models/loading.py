@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .attention import AttentionBackend
 from .internvl import InternVLEncoder
 from .presets import PRESETS, Preset, resolve_preset
 from .processing import VisionPreprocessor
@@ -53,14 +54,15 @@ def from_preset(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    attention: str | AttentionBackend = "auto",
 ) -> Encoder:
-    """An encoder with random weights (seeded) in a preset's shape."""
+    """An encoder with random weights (seeded) in a preset's shape; `attention`: its kernels."""
     found = preset if isinstance(preset, Preset) else resolve_preset(family, preset)
     cls = family_class(found.family)
     torch.manual_seed(seed)
     config = cls.preset_tower_config(found)
     tower = cls.build_tower(config, dtype, device)
-    return cls(tower, _preset_preprocessor(found, config), name=found.name)
+    return cls(tower, _preset_preprocessor(found, config), name=found.name, attention=attention)
 
 
 def transformers_tower(
@@ -199,8 +201,9 @@ def from_checkpoint(
     family: str | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    attention: str | AttentionBackend = "auto",
 ) -> Encoder:
-    """Load the vision tower and processors of a checkpoint directory or hub id."""
+    """Load the vision tower and processors of a checkpoint directory or hub id; `attention`: its kernels."""
     directory = resolve_checkpoint_dir(path_or_id)
     config = _read_config(directory)
     found_family, full_vlm = _detect_family(config, directory)
@@ -219,7 +222,7 @@ def from_checkpoint(
         )
     tower.load_state_dict(state, strict=True)
     logger.info("loaded %s vision tower (%d tensors) from %s", found_family, len(state), directory)
-    return cls(tower, _load_processors(cls, directory, tower_config), name=str(path_or_id))
+    return cls(tower, _load_processors(cls, directory, tower_config), name=str(path_or_id), attention=attention)
 
 
 def _key_mismatch(tower: torch.nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -46,7 +47,7 @@ class PackLayout:
     """Longest attention segment (patches) allowed; padding is chunked to <= this."""
     max_segments: int
     """Capacity of the full-attention `cu_seqlens` buffer (real + padding segments). Unused
-    slots are not free: the kernel grid grows with them (benchmarks/results/varlen_probe.json)."""
+    slots are not free: a varlen kernel's grid grows with them."""
     max_window_segments: int = 0
     """Capacity of the window-attention `cu_window_seqlens` buffer (0: no window attention)."""
 
@@ -106,6 +107,25 @@ def _item_output_from_arrays(tokens, deepstack) -> ItemOutput:
     return ItemOutput(_from_array(tokens), _from_array(deepstack))
 
 
+def segment_lengths(specs: Sequence[ItemSpec]) -> list[int]:
+    """Attention segment lengths of items in pack order: one per frame (temporal patch)."""
+    return [s.frame_patches for s in specs for _ in range(s.grid_thw[0])]
+
+
+def segment_groups(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive equal lengths as `(count, length)`, in order; empty segments dropped.
+    On an exact layout each run is one dense attention batch."""
+    groups: list[tuple[int, int]] = []
+    for length in lengths:
+        if length <= 0:
+            continue
+        if groups and groups[-1][1] == length:
+            groups[-1] = (groups[-1][0] + 1, length)
+        else:
+            groups.append((1, length))
+    return groups
+
+
 class PackCapacityError(ValueError):
     """The items do not fit a layout (more segments or tokens than its buffers hold)."""
 
@@ -129,9 +149,18 @@ class VisionEncoder(Protocol):
     dtype: torch.dtype
     device: torch.device
 
+    def graph_seqlen_buckets(self, budget_rows: int) -> tuple[int, ...] | None:
+        """The `max_seqlen` buckets (ascending) of the graphs of a budget of `budget_rows` input rows,
+        or None for one bucket per doubling (then only the ladder's coarse budgets get graphs)."""
+        ...
+
     def pack_layout(self, token_budget: int, max_seqlen: int, max_segments: int) -> PackLayout:
         """The static layout for packs of up to `token_budget` tokens, frames of <= `max_seqlen`
         patches and <= `max_segments` frames (attention segments) in all."""
+        ...
+
+    def exact_layout(self, specs: Sequence[ItemSpec]) -> PackLayout:
+        """The unpadded layout of exactly these items (no padding rows or segments)."""
         ...
 
     def metadata_specs(self, layout: PackLayout) -> Mapping[str, TensorSpec]:
@@ -153,9 +182,8 @@ class VisionEncoder(Protocol):
     ) -> EncoderOutput:
         """Static-shape forward over `token_budget * merge_unit` pixel rows. No host sync:
         safe to capture in one CUDA graph once the metadata lives in static buffers.
-        `exact_segments`: the rows are unpadded segments whose lengths the caller set with
-        `models.attention.exact_segments`, so attention may run each run of equal ones as a
-        dense batch (exact layouts only, never a padded budget graph)."""
+        `exact_segments`: the rows are an exact layout whose items the caller named with
+        `exact_segments(specs)` around this call (never a padded budget graph)."""
         ...
 
     def forward_eager(
@@ -168,4 +196,25 @@ class VisionEncoder(Protocol):
         when measured costs favour it, and as the reference the startup self-check compares
         graphs with). `forward`: a stand-in for `forward_padded` with its signature (the
         runner passes its compiled one); default `forward_padded`."""
+        ...
+
+    def synthetic_item(self, patches: int) -> ItemSpec:
+        """An image the processor could produce, of about `patches` input patches (no more where it
+        can): the sample items of the runner's startup checks and timings."""
+        ...
+
+    def exact_segments(self, specs: Sequence[ItemSpec]) -> AbstractContextManager[None]:
+        """A context in which `forward_padded(..., exact_segments=True)` runs these items' exact layout."""
+        ...
+
+    def exact_in_one_call(self, specs: Sequence[ItemSpec]) -> bool:
+        """Whether attention over these items' exact layout is one launch per layer (outside a graph)."""
+        ...
+
+    def capturing(self) -> AbstractContextManager[None]:
+        """A context in which forwards pick their kernels for a CUDA graph (its warm-up and capture)."""
+        ...
+
+    def compile_identity(self) -> Mapping[str, str]:
+        """What a compile of `forward_padded` depends on besides torch, the GPU and the layouts."""
         ...

@@ -15,7 +15,10 @@ lives in one place per family.
 from __future__ import annotations
 
 import copy
+import hashlib
+import math
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from functools import lru_cache
 from typing import ClassVar
 
@@ -25,6 +28,7 @@ from transformers.activations import GELUTanh
 from transformers.vision_utils import get_vision_position_ids
 
 from . import attention
+from .attention import AttentionBackend
 from .layout import exact_layout, pack_rows, padded_cu_seqlens, padded_rows, segment_lengths
 from .presets import vlm_token_ids
 from .processing import ResizeRules, VisionPreprocessor
@@ -35,10 +39,9 @@ class PatchLinear(torch.nn.Module):
     """The patch embedding's Conv3d run as the matmul it is.
 
     The conv's kernel equals its stride and its input is exactly one patch
-    (`[N, C, T, P, P]`), so it is a linear map of the flattened patch. cuDNN runs this
-    Conv3d in bf16 with a generic (non tensor-core) kernel: 365 us for 1024 patches of
-    Qwen3-VL-8B on an H100, where the matmul takes ~10 us. Same parameters, same
-    state-dict keys; output shaped like the conv's (`[N, out, 1, 1, 1]`).
+    (`[N, C, T, P, P]`), so it is a linear map of the flattened patch; cuDNN runs this Conv3d in
+    bf16 with a generic (non tensor-core) kernel, the matmul on tensor cores. Same parameters,
+    same state-dict keys; output shaped like the conv's (`[N, out, 1, 1, 1]`).
     """
 
     def __init__(self, conv: torch.nn.Conv3d):
@@ -105,13 +108,11 @@ class GeluEpilogueMLP(torch.nn.Module):
 class FusedGateUpMLP(torch.nn.Module):
     """`down(act(gate(x)) * up(x))` with gate and up as one matmul over their stacked weights.
 
-    Qwen2.5-VL's vision MLP as two matmuls plus the gated product ran at ~190-220 TFLOP/s on an
-    H100 (Qwen2.5-VL-7B, 4096-16384 rows, compiled, in a CUDA graph); as one matmul, 300-350
-    (`benchmarks/results/fusion_probe.json`), bit-identical. The stacked `gate_up_proj` is the
-    only storage: a first version kept gate and up as views of it, and aliased parameters make
-    torch.compile build synthetic bases (Qwen2.5-VL-7B startup 193 s with them, 150 s without,
-    fresh hosts). `state_dict()` still shows, and `load_state_dict()` still takes,
-    transformers' `gate_proj.*` and `up_proj.*` keys.
+    One wide matmul keeps the tensor cores busier than two narrow ones, and the result is
+    bit-identical. The stacked `gate_up_proj` is the only storage: gate and up as views of it
+    would be aliased parameters, for which torch.compile builds synthetic bases (slower
+    compiles). `state_dict()` still shows, and `load_state_dict()` still takes, transformers'
+    `gate_proj.*` and `up_proj.*` keys.
     """
 
     def __init__(self, mlp: torch.nn.Module):
@@ -250,11 +251,22 @@ class QwenVisionEncoder:
         tower.load_state_dict(encoder.tower.state_dict(), strict=True)
         return tower.eval().requires_grad_(False)
 
-    def __init__(self, tower: torch.nn.Module, preprocessor: VisionPreprocessor, name: str):
+    def __init__(
+        self,
+        tower: torch.nn.Module,
+        preprocessor: VisionPreprocessor,
+        name: str,
+        attention: str | AttentionBackend = "auto",
+    ):
+        """`attention`: a backend, or its config name resolved on the tower's device."""
         self.name = name
         self.tower = tower.eval().requires_grad_(False)
         use_patch_linear(self.tower)
         use_fused_mlps(self.tower)
+        if not isinstance(attention, AttentionBackend):
+            attention = AttentionBackend.resolve(attention, self.device)
+        self.attention = attention
+        """The attention kernels this encoder's tower runs (registered under its own name)."""
         self.tower.config._attn_implementation = attention.register()
         self.preprocessor = preprocessor
         config = tower.config
@@ -282,6 +294,36 @@ class QwenVisionEncoder:
     @property
     def out_hidden(self) -> int:
         return self.tower.config.out_hidden_size
+
+    # ---- what the graph runner asks ----
+
+    def graph_seqlen_buckets(self, budget_rows: int) -> tuple[int, ...] | None:
+        return self.attention.graph_seqlen_buckets(budget_rows)
+
+    def synthetic_item(self, patches: int) -> ItemSpec:
+        """A square image of whole merge windows."""
+        merge = self.spatial_merge_size
+        side = max(merge, math.isqrt(patches) // merge * merge)
+        return ItemSpec("image", (1, side, side), side * side, side * side // self.merge_unit)
+
+    def exact_segments(self, specs: Sequence[ItemSpec]) -> AbstractContextManager[None]:
+        return attention.exact_segments(segment_lengths(specs))
+
+    def exact_in_one_call(self, specs: Sequence[ItemSpec]) -> bool:
+        return self.attention.exact_in_one_call([s.frame_patches for s in specs])
+
+    def capturing(self) -> AbstractContextManager[None]:
+        return attention.for_graph()
+
+    def compile_identity(self) -> dict[str, str]:
+        config = hashlib.sha256(self.tower.config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
+        return {
+            "family": self.family,
+            "name": self.name,
+            "tower_config": config,
+            "attention": self.attention.implementation,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
 
     # ---- layouts and metadata ----
 
@@ -333,13 +375,12 @@ class QwenVisionEncoder:
         """`exact_segments`: the pack is unpadded (exact layouts only: eager, the compiled exact
         route, or a recurring pack's own graph; never a padded budget graph), so attention over
         its segments may run each run of equal ones as a dense batch, with the lengths the
-        caller set in `attention.exact_segments` (the varlen kernel where none are set)."""
+        caller set by `exact_segments(specs)` (the varlen kernel where none are set)."""
         kwargs = self._tower_kwargs(metadata, layout)
         if exact_segments:
             kwargs[attention.EXACT_SEGMENTS] = attention.ExactSegments(metadata["cu_seqlens"])
         # no_grad, not inference_mode: torch.compile of views under inference_mode fails in AOT
-        # functionalization on torch 2.11 ("RuntimeError: <weakref ... UntypedStorage>",
-        # pytorch/pytorch#169477, #180823), which broke `compile: true` on the GPU host.
+        # functionalization (pytorch/pytorch#169477, #180823).
         with torch.no_grad():
             result = self._run_tower(pixel_values, kwargs)
         return self._output(result)
@@ -361,5 +402,5 @@ class QwenVisionEncoder:
         }
         # The segment lengths, known here on the host without a sync: attention runs each run of
         # equal segments (one image, a video's frames, same-size images) as a dense batch.
-        with attention.exact_segments(segment_lengths(specs)):
+        with self.exact_segments(specs):
             return (forward or self.forward_padded)(pixel_values.to(self.device), metadata, layout, True)

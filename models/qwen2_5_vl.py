@@ -73,6 +73,10 @@ class Qwen2_5_VLEncoder(QwenVisionEncoder):
         windows = sum(len(self._windows(s)[1]) for s in specs)
         return replace(super().exact_layout(specs), max_window_segments=windows)
 
+    def window_lengths(self, spec: ItemSpec) -> list[int]:
+        """The item's window-attention segment lengths (patches), in window order."""
+        return list(self._windows(spec)[1])
+
     def _windows(self, spec: ItemSpec):
         config = self.tower.config
         return _item_windows(spec.grid_thw, self.spatial_merge_size, config.window_size, config.patch_size)

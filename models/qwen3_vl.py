@@ -6,9 +6,8 @@ Padding rows get zero interpolation weights, so they add nothing.
 
 The tower runs through `Qwen3VLEncoder._run_tower`, a copy of transformers' forward on the
 tower's own modules in which each residual add is fused with the layer norm after it (one
-Triton kernel on CUDA, `models/triton_norm.py`): 8 x 448x448 on Qwen3-VL-8B's exact graph 15.52
--> 14.85 ms on an H100 (`benchmarks/results/tuning_probe_norms.json`). Tests hold it to
-transformers' own tower.
+Triton kernel on CUDA, `models/triton_norm.py`), which saves a read and a write of the hidden
+state per norm. Tests hold it to transformers' own tower.
 """
 
 from __future__ import annotations
@@ -67,10 +66,6 @@ def _interpolation(grid_thw: tuple[int, int, int], side: int, mode: str, align_c
     return indices.numpy(), weights.numpy()
 
 
-FUSED_RESIDUAL_NORMS = True
-"""Run the tower's residual adds fused with the layer norms after them (`Qwen3VLEncoder._run_tower`)."""
-
-
 def residual_layer_norm(
     hidden: torch.Tensor, delta: torch.Tensor, norm: torch.nn.LayerNorm
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,9 +88,12 @@ class Qwen3VLEncoder(QwenVisionEncoder):
     resize_rules = ResizeRules(image=image_processing_qwen2_vl.smart_resize, video=qwen3_video_rule)
     checkpoint_model_types = ("qwen3_vl", "qwen3_vl_vision")
 
-    def __init__(self, tower, preprocessor, name):
-        super().__init__(tower, preprocessor, name)
+    def __init__(self, tower, preprocessor, name, attention="auto"):
+        super().__init__(tower, preprocessor, name, attention)
         self.num_deepstack = len(tower.config.deepstack_visual_indexes)
+        self.fused_residual_norms = True
+        """Run the tower's residual adds fused with the layer norms after them (`_run_tower`);
+        False: transformers' own forward."""
 
     def _interpolation(self, spec: ItemSpec):
         tower = self.tower
@@ -139,9 +137,8 @@ class Qwen3VLEncoder(QwenVisionEncoder):
         same weights, the same operations in the same order (the fused kernel's float32 reduction
         rounds differently from torch's); what it leaves out is what the encoder never asks for:
         hidden states or attentions recorded per layer, gradient checkpointing, hooks on the
-        blocks. `FUSED_RESIDUAL_NORMS` False runs transformers' own forward (the A/B in
-        `benchmarks/tuning_probe.py`)."""
-        if not FUSED_RESIDUAL_NORMS:
+        blocks. `fused_residual_norms` False runs transformers' own forward."""
+        if not self.fused_residual_norms:
             return super()._run_tower(pixel_values, kwargs)
         tower = self.tower
         kwargs = dict(kwargs)

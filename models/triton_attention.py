@@ -5,23 +5,17 @@ built for 96 or 128 columns: the extra columns are zeros they multiply anyway. H
 split into a 64-column part and a 16-column part (80 = 64 + 16 exactly; 72 = 64 + 8, padded to
 16), so a 72-wide head computes 80 columns, not 128.
 
-On an H100 (`benchmarks/results/triton_probe.json`, each kernel in a CUDA graph) it beats
-cuDNN's varlen kernel on every layout measured, at both head shapes (Qwen3-VL's padded 8 x 448x448:
-0.104 ms against 0.134; mixed packs 6-10%), FlashAttention-2 on Qwen2.5-VL's 64-patch windows
-(0.025 against 0.033), and at Qwen3-VL's 16 x 72 dense cuDNN on one 1792x1792 image (1.809 against
-1.901; long segments load keys and values through TMA descriptors, `TMA_MIN_SEQLEN`). Dense cuDNN
-stays faster on short equal unpadded segments (8 x 448x448: 0.103 against 0.107) and at 16 x 80,
-so those exact layouts keep it in CUDA graphs (outside one, short ones take this kernel: a
-cheaper launch; `models/attention.py`). How the key loop got its shape (masks, TMA,
-lazy rescaling, bigger tiles, warp specialisation): `benchmarks/results/README.md`.
+Where it serves instead of cuDNN's or FlashAttention-2's kernels, and where dense cuDNN keeps
+exact layouts, is `models/attention.py`'s choice; long segments load keys and values through TMA
+descriptors (`TMA_MIN_SEQLEN`). Measurements: `docs/performance.md`.
 
 Layout: `q`, `k`, `v` are `[rows, heads, dim]` (views whose row and head strides are multiples
 of 8, the last dim contiguous; `aligned` copies others), segments are `cu_seqlens` (int32, on
 the device, no host read), one program per (query block, head, segment); a program whose block
 starts past its segment's end returns at once, so a grid sized by `max_seqlen` costs little for
 short segments. Head offsets are hinted as multiples of 8 elements: Triton specialises only
-integer arguments divisible by 16, so a head stride of 72 alone left every load unvectorised
-(136 TFLOP/s at 16 x 72 against 353 at 16 x 80 before the hint). No host sync, so it captures in
+integer arguments divisible by 16, so a head stride of 72 alone would leave every load
+unvectorised. No host sync, so it captures in
 a CUDA graph. Non-causal, no dropout. CPU tests run it under Triton's interpreter
 (`TRITON_INTERPRET=1`).
 """
@@ -39,10 +33,8 @@ LOG2_E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Tile of one program. The default is the H100 sweep's best for one 12544-row segment at
-    both head shapes and the 64-wide ceiling, and on the mixed pack (`triton_probe_session10.json`; 128 x 32
-    tiles ran 13-18% slower on the long segment; 64 x 64 won only on exact 8 x 448x448 at
-    16 x 72, by 5%)."""
+    """Tile of one program; the default was the best of a sweep on Hopper at both head shapes,
+    on long segments and mixed packs alike."""
 
     block_m: int = 128
     block_n: int = 64
@@ -149,9 +141,9 @@ def _varlen_forward(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc_a = tl.zeros([BLOCK_M, NA], tl.float32)
     acc_b = tl.zeros([BLOCK_M, NB], tl.float32)
-    # One loop; only the block past the segment's end masks its scores (a uniform branch): the
-    # mask on every block cost ~7% on one 12544-row segment (H100). A masked tail peeled off after
-    # the loop was as fast but faulted on Triton 3.6 (illegal address, twice, in two versions).
+    # One loop; only the block past the segment's end masks its scores (a uniform branch), which
+    # masking every block would cost on long segments. A masked tail peeled off after the loop
+    # faulted on Triton 3.6 (illegal address).
     for n0 in range(0, length, BLOCK_N):
         acc_a, acc_b, m_i, l_i = _block(
             acc_a, acc_b, m_i, l_i, qa, qb, k_desc_a, k_desc_b, v_desc_a, v_desc_b, k_rows, v_rows, da, db,
@@ -170,10 +162,8 @@ def _varlen_forward(
 
 
 TMA_MIN_SEQLEN = 4096
-"""Above this `max_seqlen`, keys and values load through TMA descriptors. H100, 16 x 72, each
-kernel in a CUDA graph: one 12544-row segment 1.746 ms against 1.959 with pointer loads (dense
-cuDNN: 1.873); but 8 x 784 rows 0.116 against 0.105, and even on a padded pack of 3136-row and
-shorter segments, where the per-program descriptor setup is not paid back."""
+"""Above this `max_seqlen`, keys and values load through TMA descriptors: faster on long segments,
+slower on short ones, where the per-program descriptor setup is not paid back."""
 
 
 def tma_capable(*tensors: torch.Tensor) -> bool:

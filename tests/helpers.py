@@ -35,6 +35,29 @@ def reference_tiles(model, pixel_values: torch.Tensor) -> torch.Tensor:
     return model.get_image_features(pixel_values.to(device)).pooler_output.flatten(0, 1)
 
 
+def warmed(encoder, config=None, **options):
+    """An `EncoderRunner` after `prepare` and its whole warm-up, run here synchronously: every
+    graph live. `options`: the runner's other arguments (`ladder`, `compiled_forward`)."""
+    from encoder_graphs.config import GraphConfig
+    from encoder_graphs.runner import EncoderRunner
+
+    runner = EncoderRunner(encoder, config or GraphConfig(), **options)
+    runner.prepare(progress=lambda message: None)
+    runner.warm_up(progress=lambda message: None)
+    return runner
+
+
+class WithForward:
+    """An encoder whose `forward_padded` is replaced (a fault or a delay to inject); everything
+    else, `forward_eager` included, is the wrapped encoder's own."""
+
+    def __init__(self, encoder, forward_padded):
+        self._encoder, self.forward_padded = encoder, forward_padded
+
+    def __getattr__(self, name):
+        return getattr(self._encoder, name)
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected|, in float32."""
     expected = expected.float()

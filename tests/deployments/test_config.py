@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from deployments.config import AppConfig
+from encoder_graphs.config import GraphConfig
 from models import attention
+from models.attention import AttentionBackend
 
 
 @pytest.mark.parametrize(
@@ -21,6 +26,9 @@ from models import attention
         ({"finer_budget_range": [0, 1024]}, "finer_budget_range"),
         ({"finer_budget_range": [1024]}, "finer_budget_range"),
         ({"finer_budget_steps": 0}, "finer_budget_steps"),
+        ({"budgets": []}, "budgets"),
+        ({"recurring_graphs": -1}, "recurring_graphs"),
+        ({"compile_cache": 3}, "compile_cache"),
     ],
 )
 def test_bad_graph_settings_are_refused_naming_the_field(graphs, field):
@@ -31,15 +39,22 @@ def test_bad_graph_settings_are_refused_naming_the_field(graphs, field):
 
 def test_graph_settings_reach_the_runner_config():
     config = AppConfig.model_validate({"graphs": {"segment_density": 4, "budget_growth": 1.5}})
-    graph_config = config.graphs.to_config()
-    assert (graph_config.segment_density, graph_config.budget_growth) == (4, 1.5)
+    assert isinstance(config.graphs, GraphConfig)  # the runner's own config, validated here
+    assert (config.graphs.segment_density, config.graphs.budget_growth) == (4, 1.5)
     finer = AppConfig.model_validate({"graphs": {"finer_budget_range": [2048, 8192], "finer_budget_steps": 32}})
-    assert (finer.graphs.to_config().finer_budget_range, finer.graphs.to_config().finer_budget_steps) == (
-        (2048, 8192),
-        32,
-    )
-    off = AppConfig.model_validate({"graphs": {"finer_budget_range": None}})
-    assert off.graphs.to_config().finer_budget_range is None
+    assert (finer.graphs.finer_budget_range, finer.graphs.finer_budget_steps) == ((2048, 8192), 32)
+    off = AppConfig.model_validate({"graphs": {"finer_budget_range": None, "budgets": [64, 256]}})
+    assert off.graphs.finer_budget_range is None and off.graphs.budgets == (64, 256)
+
+
+def test_yaml_errors_name_the_field_and_every_graph_field_is_described():
+    document = yaml.safe_load("graphs:\n  max_budget_tokens: 8192\n  memory_fraction: 2\n")
+    with pytest.raises(ValidationError, match=r"graphs.memory_fraction must be in \(0, 1\]; got 2"):
+        AppConfig.model_validate(document)
+    schema = AppConfig.model_json_schema()["$defs"]["GraphConfig"]
+    fields = {field.name for field in dataclasses.fields(GraphConfig)}
+    assert set(schema["properties"]) == fields and schema["additionalProperties"] is False
+    assert all(schema["properties"][name].get("description") for name in fields)
 
 
 def test_default_attention_kernel_is_the_library_default():
@@ -52,16 +67,15 @@ def test_default_attention_kernel_is_the_library_default():
 
 
 @pytest.mark.skipif(attention.cudnn_frontend_available(), reason="checks the refusal where cuDNN cannot serve")
-def test_cudnn_attention_without_its_frontend_or_gpu_is_refused_and_auto_falls_back(monkeypatch):
-    monkeypatch.setattr(attention, "_use_cudnn", attention._use_cudnn)  # restored after the test
-    monkeypatch.setattr(attention, "_use_triton", attention._use_triton)
+def test_cudnn_attention_without_its_frontend_or_gpu_is_refused_and_auto_falls_back():
+    cuda = "cuda"  # resolving never allocates: it only asks what the device can run
     with pytest.raises(ValueError, match=r"nvidia-cudnn-frontend.*'auto'"):
-        attention.set_backend("cudnn")
-    assert attention.set_backend("auto") == "flash"
-    assert attention.set_backend("flash") == "flash"
+        AttentionBackend.resolve("cudnn", cuda)
+    assert AttentionBackend.resolve("auto", cuda).kernel in ("flash", "triton")
+    assert AttentionBackend.resolve("flash", cuda).kernel == "flash"
     if not attention.triton_available():  # CPU, or no triton: our kernel is refused as cuDNN's is
         with pytest.raises(ValueError, match="'triton' needs a CUDA GPU"):
-            attention.set_backend("triton")
-        assert not attention._use_triton
+            AttentionBackend.resolve("triton", cuda)
+        assert AttentionBackend.resolve("auto", cuda).kernel == "flash"
     with pytest.raises(ValueError, match="not one of"):
-        attention.set_backend("sdpa")
+        AttentionBackend.resolve("sdpa", cuda)

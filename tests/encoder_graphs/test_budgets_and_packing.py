@@ -11,12 +11,13 @@ from encoder_graphs.budgets import (
     auto_ladder,
     buckets_for_budget,
     fitting_budget,
+    sample_budgets,
     segment_capacity,
     seqlen_buckets,
     validate_ladder,
 )
-from encoder_graphs.config import GraphConfig, build_ladder
-from encoder_graphs.packing import PackItem, pack_items
+from encoder_graphs.config import GraphConfig, Ladder, budget_ladder
+from encoder_graphs.packing import PackItem, pack_items, split_items
 
 
 @given(st.integers(1, 5000), st.integers(1, 70000), st.sampled_from([1.25, 1.5, 2.0, 3.0]))
@@ -77,9 +78,9 @@ def test_finer_range_takes_its_own_steps_per_doubling():
     )
     assert {1600, 3200, 2176} <= set(ladder) and 1664 in ladder and 4160 not in ladder
     # The default config: 8 x 448x448 of Qwen3-VL (1568 tokens) pads to 1600, not 1664.
-    assert fitting_budget(build_ladder(GraphConfig(), 64)[0], 1568) == 1600
-    assert fitting_budget(build_ladder(GraphConfig(finer_budget_range=None), 64)[0], 1568) == 1664
-    assert build_ladder(GraphConfig(), 64, fine=False)[0] == auto_ladder(64, 8192)
+    assert fitting_budget(budget_ladder(GraphConfig(), 64).budgets, 1568) == 1600
+    assert fitting_budget(budget_ladder(GraphConfig(finer_budget_range=None), 64).budgets, 1568) == 1664
+    assert budget_ladder(GraphConfig(), 64).coarse == auto_ladder(64, 8192)
 
 
 def test_finer_range_holds_below_the_fine_ladder_too():
@@ -204,3 +205,51 @@ def test_small_items_share_a_pack_and_oversize_goes_alone():
     packs = pack_items(queue, (64, 256, 1024), max_items=8)
     assert [[i.key for i in p.items] for p in packs] == [["a", "b", "c"], ["big"], ["v"]]
     assert [p.token_budget for p in packs] == [1024, None, 1024]
+
+
+@given(st.integers(1, 700), st.integers(65, 9000))
+@settings(max_examples=200, deadline=None)
+def test_the_coarse_ladder_is_budgets_of_the_ladder_ending_at_the_largest(smallest_item, max_budget):
+    """Where an encoder's graphs take a bucket per doubling, its graphs sit on the coarse budgets:
+    they must be budgets the router packs against, and the largest one too."""
+    config = GraphConfig(max_budget_tokens=max_budget, min_budget_tokens=64)
+    if smallest_item > max_budget:
+        with pytest.raises(BudgetConfigError, match="set max_budget_tokens"):
+            budget_ladder(config, smallest_item)
+        return
+    ladder = budget_ladder(config, smallest_item)
+    assert set(ladder.coarse) <= set(ladder.budgets) and ladder.coarse[-1] == ladder.budgets[-1] == max_budget
+    assert ladder.max_items <= ladder.budgets[0] and ladder.max_segments == 2 * ladder.max_items
+    assert len(ladder.coarse) <= len(auto_ladder(ladder.budgets[0], max_budget))
+
+
+def test_a_handed_ladder_that_cannot_work_is_refused():
+    with pytest.raises(BudgetConfigError, match="coarse ladder"):
+        Ladder((64, 128), (64,), 16, 32)  # the largest budget must have graphs
+    with pytest.raises(BudgetConfigError, match="lower max_items_per_pack"):
+        Ladder((64, 128), (64, 128), 100, 200)
+
+
+@given(st.lists(st.integers(1, 200), min_size=1, max_size=40), st.integers(1, 400), st.integers(2, 4))
+@settings(max_examples=300, deadline=None)
+def test_a_split_places_every_item_once_within_capacity(tokens, capacity, max_parts):
+    parts = split_items(tokens, capacity, max_parts)
+    if parts is None:
+        return
+    assert 2 <= len(parts) <= max_parts
+    assert sorted(i for part in parts for i in part) == list(range(len(tokens)))
+    assert all(part == sorted(part) and sum(tokens[i] for i in part) <= capacity for part in parts)
+
+
+def test_a_split_refuses_one_part_too_many_parts_or_an_item_over_capacity():
+    assert split_items([10, 10], 64, 3) is None  # one part holds both
+    assert split_items([60, 60, 60, 60], 64, 3) is None  # four parts needed
+    assert split_items([100, 10], 64, 3) is None
+    assert split_items([40, 30, 30], 64, 3) == [[0], [1, 2]]
+
+
+def test_sampled_budgets_span_the_ladder_on_a_log_scale():
+    ladder = budget_ladder(GraphConfig(), 64).budgets
+    sampled = sample_budgets(ladder, 5)
+    assert sampled[0] == ladder[0] and sampled[-1] == ladder[-1] and len(sampled) == 5
+    assert set(sampled) <= set(ladder) and sample_budgets((64, 256), 5) == (64, 256)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import pytest
 import torch
 
+from encoder_graphs.config import GraphConfig
+from encoder_graphs.execute import split_outputs
 from encoder_graphs.memory import GraphMemoryError
-from encoder_graphs.runner import EncoderRunner, GraphConfig, canonical_order
-from models import attention, from_preset, transformers_tower
-from tests.helpers import random_image, random_video, relative_error
+from encoder_graphs.recurring import RECURRING_MIN_FREE
+from encoder_graphs.runner import EncoderRunner, canonical_order
+from models import from_preset, transformers_tower
+from models.attention import AttentionBackend
+from tests.helpers import random_image, random_video, relative_error, warmed
 
 pytestmark = pytest.mark.gpu
 
@@ -33,9 +39,7 @@ def references(encoder):
 
 @pytest.fixture(scope="module")
 def runner(encoder):
-    runner = EncoderRunner(encoder, CONFIG)
-    runner.capture()
-    return runner
+    return warmed(encoder, CONFIG)
 
 
 def item_errors(references, pixels, specs, outputs):
@@ -56,13 +60,19 @@ def item_errors(references, pixels, specs, outputs):
 
 def test_capture_reports_pool_memory(runner):
     summary = runner.memory.summary()
-    assert summary["graphs"] == len(runner.entries) > len(runner.ladder)  # several max_seqlen buckets per budget
+    assert summary["graphs"] == len(runner.entries) > len(runner.table.budgets)  # several buckets per budget
     assert runner.memory.pool_bytes > 0 and runner.memory.peak_allocated_bytes > 0
-    assert set(summary["per_budget_mib"]) == set(runner.ladder)
+    assert set(summary["per_budget_mib"]) == set(runner.table.budgets)
     # The pre-capture prediction is an estimate, but must be the right size: it decides whether
     # capture is refused.
     assert 0.5 <= runner.memory.predicted_pool_bytes / runner.memory.pool_bytes <= 2.0, summary
-    assert all(e.enabled and e.replay_ms > 0 for e in runner.entries.values())
+    assert all(e.live and e.replay_ms > 0 for e in runner.entries.values())
+    status = runner.warmup_status()
+    assert (
+        status.full_speed
+        and status.graphs_live == status.graphs_total
+        and runner.live_budgets() == runner.ladder.budgets
+    )
 
 
 def test_replayed_packs_match_transformers(encoder, runner, references):
@@ -83,17 +93,30 @@ def test_replayed_packs_match_transformers(encoder, runner, references):
             assert ours <= 1.5 * theirs + 1e-3, (modality, [s.grid_thw for s in specs], ours, theirs)
     assert sum(runner.stats.graph_hits.values()) > hits_before
     assert runner.stats.eager_fallbacks["oversize"] == 1
+    assert runner.stats.first_pack_checks > 0 and runner.stats.first_pack_mismatches == 0
 
 
-def test_eager_equal_segments_run_dense_attention_and_match_transformers(encoder, references):
-    pre = encoder.preprocessor
+@dataclass(frozen=True)
+class CountsExact(AttentionBackend):
+    """A backend that counts the attention calls that took the exact-segments hint."""
+
+    calls: list = field(default_factory=list, compare=False)
+
+    def exact(self, q, k, v, cu_seqlens, max_seqlen, scale):
+        self.calls.append(max_seqlen)
+        return super().exact(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+def test_eager_equal_segments_take_the_exact_hint_and_match_transformers(encoder, references):
+    backend = CountsExact(encoder.attention.kernel)
+    counted = from_preset(PRESET, dtype=torch.bfloat16, device="cuda", seed=0, attention=backend)  # the same weights
+    pre = counted.preprocessor
     resized = [pre.resize_image(random_image(np.random.default_rng(3), 300, 500)) for _ in range(3)]
     specs = [pre.spec("image", 1, *r.shape[-2:]) for r in resized]
-    pixels = pre.pixel_values(resized, "image", device="cuda").to(encoder.dtype)
-    before = attention.exact_hint_hits
-    out = encoder.forward_eager(pixels, specs)
-    assert attention.exact_hint_hits - before == encoder.tower.config.depth
-    outputs = EncoderRunner._split(out, specs)
+    pixels = pre.pixel_values(resized, "image", device="cuda").to(counted.dtype)
+    out = counted.forward_eager(pixels, specs)
+    assert len(backend.calls) == counted.tower.config.depth  # every layer attends on the exact layout
+    outputs = split_outputs(out, specs)
     for ours, theirs in item_errors(references, pixels, specs, outputs):
         assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
 
@@ -108,8 +131,8 @@ class Broken:
     def __getattr__(self, name):
         return getattr(self._encoder, name)
 
-    def forward_padded(self, pixel_values, metadata, layout):
-        out = self._encoder.forward_padded(pixel_values, metadata, layout)
+    def forward_padded(self, pixel_values, metadata, layout, exact_segments=False):
+        out = self._encoder.forward_padded(pixel_values, metadata, layout, exact_segments)
         if layout.token_budget == self._budget:
             out.tokens = out.tokens * self.scale
         return out
@@ -118,8 +141,7 @@ class Broken:
 def test_self_check_disables_a_deliberately_broken_graph(encoder):
     broken = Broken(encoder, 256)
     broken.scale.fill_(float("nan"))  # captured into the budget-256 graphs
-    runner = EncoderRunner(broken, GraphConfig(max_budget_tokens=512))
-    runner.capture()
+    runner = warmed(broken, GraphConfig(max_budget_tokens=512))
     disabled = {key for key, e in runner.entries.items() if not e.enabled}
     assert disabled == {key for key in runner.entries if key[0] == 256}
     assert runner.stats.disabled_graphs == len(disabled)
@@ -128,9 +150,8 @@ def test_self_check_disables_a_deliberately_broken_graph(encoder):
 def test_graph_that_turns_nonfinite_falls_back_to_eager(encoder, references):
     broken = Broken(encoder, 256)
     # The doubling ladder, so that the pack below (192 tokens) lands in the broken 256 graphs.
-    runner = EncoderRunner(broken, GraphConfig(max_budget_tokens=512, fine_budget_steps=1))
-    runner.capture()
-    assert all(e.enabled for e in runner.entries.values())
+    runner = warmed(broken, GraphConfig(max_budget_tokens=512, fine_budget_steps=1))
+    assert all(e.live for e in runner.entries.values())
     broken.scale.fill_(float("inf"))  # the graph now produces inf/NaN; eager does not
     pre = encoder.preprocessor
     resized = [pre.resize_image(random_image(np.random.default_rng(1), 256, 256)) for _ in range(3)]
@@ -146,7 +167,7 @@ def test_graph_that_turns_nonfinite_falls_back_to_eager(encoder, references):
 def test_ladder_too_big_for_memory_is_refused_before_capture(encoder):
     runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=4096, memory_fraction=1e-4))
     with pytest.raises(GraphMemoryError, match=r"set max_budget_tokens <= \d+"):
-        runner.capture()
+        runner.prepare()
     assert not any(e.graph for e in runner.entries.values())
 
 
@@ -155,13 +176,14 @@ def test_compiled_exact_route_serves_unseen_shapes_without_compiling(encoder, re
     After startup, no shape needs a compile: one image (one dense attention batch) and equal
     images (one batch of several), of sizes never seen, larger than every budget. Unequal
     images run compiled there too under attention backend "triton" (one launch per layer), else
-    uncompiled (host-bound: see `_compiles_exact`); their own recurring graph holds the compiled
+    uncompiled (host-bound: see `ExactRoute.takes`); their own recurring graph holds the compiled
     forward either way, still without a compile."""
     from torch._dynamo.utils import counters
 
-    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=256, compile=True))
-    runner.capture()
+    runner = warmed(encoder, GraphConfig(max_budget_tokens=256, compile=True))
+    assert runner.warmup_status().compiled and runner.warmup_status().exact_route
     compiled_graphs = counters["stats"]["unique_graphs"]
+    triton = encoder.attention.kernel == "triton"
     pre = encoder.preprocessor
     rng = np.random.default_rng(5)
     for sizes in ([(1000, 900)], [(700, 500)] * 3, [(800, 600), (400, 300), (420, 560)]):
@@ -171,11 +193,11 @@ def test_compiled_exact_route_serves_unseen_shapes_without_compiling(encoder, re
         pixels = pre.pixel_values(resized, "image", device="cuda").to(encoder.dtype)
         with torch.inference_mode():  # as the benchmark calls it; startup compiled without it
             outputs = runner.run(pixels, specs)
-        assert runner.stats.last.compiled == (len(set(sizes)) == 1 or attention._use_triton), sizes
+        assert runner.stats.last.compiled == (len(set(sizes)) == 1 or triton), sizes
         for ours, theirs in item_errors(references, pixels, specs, outputs):
             assert ours <= 1.5 * theirs + 1e-3, (sizes, ours, theirs)
-    assert runner.stats.compiled_exact == 2 + attention._use_triton and runner.stats.recompile_fallbacks == 0
-    assert all(e.exact_ms > 0 for e in runner.entries.values())
+    assert runner.stats.compiled_exact == 2 + triton and runner.stats.recompile_fallbacks == 0
+    assert runner.costs.startup["exact_ms"] and all(ms > 0 for _, ms in runner.costs.startup["exact_ms"])
     assert counters["stats"]["unique_graphs"] == compiled_graphs
 
     # A recurring pack's own graph is captured on a request with the compiled forward (the exact
@@ -197,11 +219,10 @@ def test_compiled_exact_route_serves_unseen_shapes_without_compiling(encoder, re
 
 def test_compile_without_graphs_compiles_every_budget_at_startup(encoder, references):
     """`compile: true`, `cuda_graphs: false`: packs run the compiled forward on the budgets'
-    padded layouts. `capture` compiles it for each and self-checks it, so no request compiles."""
+    padded layouts. The warm-up compiles it for each and checks it, so no request compiles."""
     from torch._dynamo.utils import counters
 
-    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=256, compile=True, cuda_graphs=False))
-    runner.capture()
+    runner = warmed(encoder, GraphConfig(max_budget_tokens=256, compile=True, cuda_graphs=False))
     checked = {key: (e.graph, e.enabled, e.self_check_error) for key, e in runner.entries.items()}
     assert all(graph is None and enabled and error >= 0 for graph, enabled, error in checked.values()), checked
     compiled_graphs = counters["stats"]["unique_graphs"]
@@ -238,28 +259,29 @@ def test_recurring_pack_gets_its_own_graph_and_matches_transformers(encoder, run
             for ours, theirs in item_errors(references, pixels, specs, outputs):
                 assert ours <= 1.5 * theirs + 1e-3, (sizes, ours, theirs)
         assert runner.stats.last.recurring, runner.stats.snapshot()
-        entry = runner._recurring[tuple(specs[i].grid_thw for i in canonical_order(specs))]
+        entry = runner.recurring.entries[tuple(specs[i].grid_thw for i in canonical_order(specs))]
         padded = min(e.replay_ms for e in runner.entries.values() if e.key[0] == 2048 and e.enabled)
         assert entry.graph is not None and entry.layout.token_budget == tokens
         assert entry.dense == (len(set(sizes)) == 1) and 0 < entry.replay_ms < padded
     assert runner.stats.recurring_captured == captured + 2
 
-    runner._capture_recurring(("probe",), pixels, specs, 1e-6, torch.device("cuda"))  # a plan taking 1 ns
-    assert runner.stats.recurring_rejected["slower"] == 1 and ("probe",) not in runner._recurring
+    runner.recurring.capture(("probe",), pixels, specs, 1e-6, torch.device("cuda"))  # a plan taking 1 ns
+    assert runner.stats.recurring_rejected["slower"] == 1 and ("probe",) not in runner.recurring.entries
 
 
-def test_no_recurring_graph_is_captured_with_too_little_free_memory(encoder, runner, references, monkeypatch):
-    import encoder_graphs.recurring as recurring_module
-
-    monkeypatch.setattr(recurring_module, "RECURRING_MIN_FREE", 1 << 50)  # more than any GPU has free
+def test_no_recurring_graph_is_captured_with_too_little_free_memory(encoder, runner, references):
     pre = encoder.preprocessor
     resized = [pre.resize_image(random_image(np.random.default_rng(7), 700, 500))]
     specs = [pre.spec("image", 1, *resized[0].shape[-2:])]
     pixels = pre.pixel_values(resized, "image", device="cuda").to(encoder.dtype)
     before = runner.stats.recurring_rejected["memory"]
-    for _ in range(3):
-        outputs = runner.run(pixels, specs)
-        assert not runner.stats.last.recurring
+    runner.recurring.min_free_bytes = 1 << 50  # more than any GPU has free
+    try:
+        for _ in range(3):
+            outputs = runner.run(pixels, specs)
+            assert not runner.stats.last.recurring
+    finally:  # the module's runner serves later tests
+        runner.recurring.min_free_bytes = RECURRING_MIN_FREE
     assert runner.stats.recurring_rejected["memory"] == before + 1
     for ours, theirs in item_errors(references, pixels, specs, outputs):
         assert ours <= 1.5 * theirs + 1e-3

@@ -4,11 +4,13 @@ runner's padded layouts, in a CUDA graph, against attention written out per segm
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 from models import attention
+from models.attention import AttentionBackend
 from models.layout import padded_cu_seqlens
 from tests.helpers import relative_error
 
@@ -18,13 +20,24 @@ needs_cudnn = pytest.mark.skipif(
 )
 
 
-def use_kernel(monkeypatch, kernel: str) -> None:
+@dataclass(frozen=True)
+class RecordsVarlen(AttentionBackend):
+    """A backend that records (kernel, max_seqlen) of every varlen launch it makes."""
+
+    calls: list = field(default_factory=list, compare=False)
+
+    def varlen(self, q, k, v, cu_seqlens, max_seqlen, scale):
+        self.calls.append((self.varlen_kernel(max_seqlen, q.shape[-1]), max_seqlen))
+        return super().varlen(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+def backend(kernel: str) -> RecordsVarlen:
+    """A recording backend of `kernel`; the test skips where it cannot serve."""
     if kernel == "cudnn" and not attention.cudnn_frontend_available():
         pytest.skip("needs nvidia-cudnn-frontend on Hopper+")
     if kernel == "triton" and not attention.triton_available():
         pytest.skip("needs triton on an Ampere or newer GPU")
-    monkeypatch.setattr(attention, "_use_cudnn", kernel == "cudnn")
-    monkeypatch.setattr(attention, "_use_triton", kernel == "triton")
+    return RecordsVarlen(kernel)
 
 
 def per_segment(q, k, v, bounds, scale):
@@ -43,24 +56,23 @@ def per_segment(q, k, v, bounds, scale):
     [([3136, 784, 784, 256, 256, 256], 4096), ([5000, 2048, 784], 8192)],  # the second: Triton loads by TMA
     ids=["mixed", "long"],
 )
-def test_varlen_in_a_graph_matches_per_segment_attention_on_a_padded_layout(
-    monkeypatch, kernel, head_dim, lengths, max_seqlen
-):
+def test_varlen_in_a_graph_matches_per_segment_attention_on_a_padded_layout(kernel, head_dim, lengths, max_seqlen):
     """A mixed pack padded into a larger buffer: padding segments and zero-length trailing slots,
     as `models/layout.py` lays them out. The captured op, replayed on new values, must match the
     written-out attention on every row (padding rows attend among themselves) and stay finite.
     q, k and v are views of one projection, as in the towers (row stride 3 x heads x dim)."""
-    use_kernel(monkeypatch, kernel)
+    chosen = backend(kernel)
     rows = 8192
     cu = padded_cu_seqlens(lengths, rows, max_seqlen, 64).cuda()
     bounds = cu.tolist()
     assert bounds[-1] == bounds[-2] == rows  # trailing zero-length slots
     q, k, v = torch.randn(rows, 3, 16, head_dim, device="cuda", dtype=torch.bfloat16).unbind(1)
     scale = head_dim**-0.5
-    attention._varlen_cuda(q, k, v, cu, max_seqlen, scale)  # builds the cuDNN graph / Triton kernel
+    chosen.varlen(q, k, v, cu, max_seqlen, scale)  # builds the cuDNN graph / Triton kernel
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = attention._varlen_cuda(q, k, v, cu, max_seqlen, scale)
+        out = chosen.varlen(q, k, v, cu, max_seqlen, scale)
+    assert {name for name, _ in chosen.calls} == {kernel}
     for seed in (1, 2):
         torch.manual_seed(seed)
         for t in (q, k, v):
@@ -74,7 +86,7 @@ def test_varlen_in_a_graph_matches_per_segment_attention_on_a_padded_layout(
 @pytest.mark.parametrize("head_dim", [72, 80])
 def test_triton_kernel_in_a_graph_on_a_layout_of_many_mostly_empty_slots(head_dim):
     """The runner's graphs under backend triton have few max_seqlen buckets (1024, 4096, the
-    budget's rows; `attention.graph_seqlen_buckets`), so a graph may hold many more segment slots
+    budget's rows; `AttentionBackend.graph_seqlen_buckets`), so a graph may hold many more segment slots
     than a pack fills. Captured on one pack of 200 slots, replayed on new segment lengths (the
     next pack in the same graph): right on every row, finite."""
     if not attention.triton_available():
@@ -98,36 +110,29 @@ def test_triton_kernel_in_a_graph_on_a_layout_of_many_mostly_empty_slots(head_di
 
 
 @needs_cudnn
-def test_exact_layout_of_several_runs_takes_one_cudnn_call(monkeypatch):
+def test_exact_layout_of_several_runs_takes_one_cudnn_call():
     """On an exact layout, one run of equal segments stays a dense batch; several runs take the
-    cuDNN varlen kernel (one call, faster than a dense call per run: cudnn_probe.json)."""
-    monkeypatch.setattr(attention, "_use_cudnn", True)
-    monkeypatch.setattr(attention, "_use_triton", False)
-    calls = []
-    real = attention._cudnn_varlen
-    monkeypatch.setattr(attention, "_cudnn_varlen", lambda *a: calls.append(a[4]) or real(*a))
-    for lengths, expected_calls in (([784] * 4, []), ([3136, 784, 784, 256], [3136])):
-        calls.clear()
+    cuDNN varlen kernel (one call rather than a dense call per run)."""
+    cudnn = backend("cudnn")
+    for lengths, expected_calls in (([784] * 4, []), ([3136, 784, 784, 256], [("cudnn", 3136)])):
+        cudnn.calls.clear()
         rows = sum(lengths)
         cu = padded_cu_seqlens(lengths, rows, max(lengths), len(lengths)).cuda()
         q, k, v = (torch.randn(rows, 16, 72, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         with attention.exact_segments(lengths):
-            out = attention.exact_attention(q, k, v, cu, max(lengths), 72**-0.5)
-        assert calls == expected_calls
+            out = cudnn.exact(q, k, v, cu, max(lengths), 72**-0.5)
+        assert cudnn.calls == expected_calls
         assert relative_error(out, per_segment(q, k, v, cu.tolist(), 72**-0.5)) < 2e-2
 
 
 @pytest.mark.parametrize("in_graph", [True, False], ids=["for-graph", "outside-graphs"])
-def test_exact_layouts_under_backend_triton(monkeypatch, in_graph):
+def test_exact_layouts_under_backend_triton(in_graph):
     """Under backend "triton", an exact layout whose segments are longer than
     `TRITON_OVER_DENSE_SEQLEN` runs the Triton kernel (TMA loads) at head dim 72 and dense cuDNN
     at 80. Shorter equal segments run dense cuDNN for a CUDA graph (`for_graph`: a warm-up, a
     capture), the Triton kernel outside one (`TRITON_OUTSIDE_GRAPHS`: a cheaper launch), and
     unequal ones the Triton kernel either way. All match attention written out per segment."""
-    use_kernel(monkeypatch, "triton")
-    calls = []
-    real = attention.triton_varlen_attention
-    monkeypatch.setattr(attention, "triton_varlen_attention", lambda *a: calls.append(a[4]) or real(*a))
+    triton = backend("triton")
     short = [] if in_graph else [784]
     cases = [
         ([784] * 4, 72, short),
@@ -138,36 +143,33 @@ def test_exact_layouts_under_backend_triton(monkeypatch, in_graph):
         ([5000], 80, []),
     ]
     for lengths, dim, expected_calls in cases:
-        calls.clear()
+        triton.calls.clear()
         rows = sum(lengths)
         cu = padded_cu_seqlens(lengths, rows, max(lengths), len(lengths)).cuda()
         q, k, v = torch.randn(rows, 3, 16, dim, device="cuda", dtype=torch.bfloat16).unbind(1)
         mode = attention.for_graph() if in_graph else contextlib.nullcontext()
         with attention.exact_segments(lengths), mode:
-            out = attention.exact_attention(q, k, v, cu, max(lengths), dim**-0.5)
-        assert calls == expected_calls, (lengths, dim)
+            out = triton.exact(q, k, v, cu, max(lengths), dim**-0.5)
+        assert [n for kernel, n in triton.calls if kernel == "triton"] == expected_calls, (lengths, dim)
         assert relative_error(out, per_segment(q, k, v, cu.tolist(), dim**-0.5)) < 2e-2
 
 
-def test_exact_layout_captured_without_for_graph_takes_dense_cudnn(monkeypatch):
+def test_exact_layout_captured_without_for_graph_takes_dense_cudnn():
     """While a stream captures, short equal segments pick dense cuDNN even without `for_graph`
     (host time is not replayed); the graph replays correctly on new inputs."""
-    use_kernel(monkeypatch, "triton")
+    triton = backend("triton")
     lengths = [784] * 4
     rows = sum(lengths)
     cu = padded_cu_seqlens(lengths, rows, 784, 4).cuda()
     q, k, v = torch.randn(rows, 3, 16, 72, device="cuda", dtype=torch.bfloat16).unbind(1)
-    calls = []
-    real = attention.triton_varlen_attention
-    monkeypatch.setattr(attention, "triton_varlen_attention", lambda *a: calls.append(a[4]) or real(*a))
     with attention.exact_segments(lengths):
         with attention.for_graph():  # build cuDNN's dense plan outside capture
-            attention.exact_attention(q, k, v, cu, 784, 72**-0.5)
+            triton.exact(q, k, v, cu, 784, 72**-0.5)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = attention.exact_attention(q, k, v, cu, 784, 72**-0.5)
-    assert calls == []
+            out = triton.exact(q, k, v, cu, 784, 72**-0.5)
+    assert triton.calls == []
     for t in (q, k, v):
         t.copy_(torch.randn_like(t))
     graph.replay()

@@ -40,16 +40,14 @@ def packs(encoder, rng):
 
 @pytest.mark.parametrize("backend", ["flash", "cudnn", "triton"])
 @pytest.mark.parametrize("preset", ["qwen2.5-vl-7b", "qwen3-vl-8b"])
-def test_graph_error_is_within_1_5x_of_transformers_bf16(preset, backend, monkeypatch):
+def test_graph_error_is_within_1_5x_of_transformers_bf16(preset, backend):
     """Every varlen kernel: FlashAttention-2, cuDNN's where the frontend is installed, ours (Triton)."""
     if backend == "cudnn" and not attention.cudnn_frontend_available():
         pytest.skip("needs nvidia-cudnn-frontend on Hopper+")
     if backend == "triton" and not attention.triton_available():
         pytest.skip("needs triton on an Ampere or newer GPU")
-    monkeypatch.setattr(attention, "_use_cudnn", attention._use_cudnn)  # restored after the test
-    monkeypatch.setattr(attention, "_use_triton", attention._use_triton)
-    attention.set_backend(backend)
-    encoder = from_preset(preset, dtype=torch.bfloat16, device="cuda", seed=0)
+    encoder = from_preset(preset, dtype=torch.bfloat16, device="cuda", seed=0, attention=backend)
+    assert encoder.attention.kernel == backend
     fp32 = transformers_tower(encoder, dtype=torch.float32)
     bf16_sdpa = transformers_tower(encoder, dtype=torch.bfloat16)
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from encoder_graphs.runner import EncoderRunner, GraphConfig
+from encoder_graphs.config import GraphConfig
 from encoder_graphs.selfcheck import back_to_back_ms
 from models import from_preset, transformers_tower
-from tests.helpers import random_image, relative_error
+from tests.helpers import random_image, relative_error, warmed
 
 DEVICE = torch.device("cuda")
 pytestmark = pytest.mark.gpu
@@ -117,9 +117,8 @@ def test_runner_captures_checks_and_serves_tile_packs(models):
     """The runner's own capture and self-check (synthetic packs) keep every graph; its packs are as
     accurate as transformers' bf16."""
     encoder, fp32, bf16 = models
-    runner = EncoderRunner(encoder, GraphConfig(budgets=(256, 512, 1024, 2048), min_seqlen_bucket=1024))
-    runner.capture()
-    assert all(entry.enabled for entry in runner.entries.values()), {
+    runner = warmed(encoder, GraphConfig(budgets=(256, 512, 1024, 2048), min_seqlen_bucket=1024))
+    assert all(entry.live for entry in runner.entries.values()), {
         key: entry.self_check_error for key, entry in runner.entries.items()
     }
     for name, (images, resized, specs) in packs(encoder, np.random.default_rng(1)).items():

@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from encoder_graphs.runner import EncoderRunner, GraphConfig
+from encoder_graphs.config import GraphConfig
 from models import CheckpointError, from_checkpoint, from_preset, transformers_tower
 from models.internvl import InternVLEncoder
 from models.presets import PRESETS
 from models.protocol import ItemSpec, VisionEncoder
 from models.tiling import patch_rows
 from models.tiny_checkpoint import build_tiny_processor, save_tiny_vlm
-from tests.helpers import random_image, random_video, reference_tiles, relative_error
+from tests.helpers import random_image, random_video, reference_tiles, relative_error, warmed
 
 TOLERANCE = 1e-4
 BUDGETS = (256, 512, 1024, 2048, 4096, 8192)
@@ -82,7 +82,7 @@ def test_30_images_packed_through_the_runner_equal_get_image_features(encoder, r
     assert {1, 13} <= {spec.grid_thw[0] for spec in specs}
     resized = [pre.resize_image(image) for image in images]
     expected = [reference_tiles(reference, processor_pixels(processor, image)) for image in images]
-    runner = EncoderRunner(encoder, GraphConfig(budgets=BUDGETS, min_seqlen_bucket=1024, max_items_per_pack=32))
+    runner = warmed(encoder, GraphConfig(budgets=BUDGETS, min_seqlen_bucket=1024, max_items_per_pack=32))
     packs, pack = [], []
     for index in rng.permutation(len(images)).tolist():
         if pack and sum(specs[i].output_tokens for i in pack) + specs[index].output_tokens > BUDGETS[-1]:
@@ -105,7 +105,7 @@ def test_videos_are_frames_as_tiles(encoder, reference, processor):
     rng = np.random.default_rng(2)
     clips = [random_video(rng, frames, 96, 128) for frames in (3, 6)]
     specs = [pre.video_spec(clip.shape[0], 96, 128) for clip in clips]
-    runner = EncoderRunner(encoder, GraphConfig(budgets=BUDGETS, min_seqlen_bucket=1024))
+    runner = warmed(encoder, GraphConfig(budgets=BUDGETS, min_seqlen_bucket=1024))
     outputs = runner.run(pre.pixel_values([pre.resize_video(c) for c in clips], "video"), specs)
     for clip, output in zip(clips, outputs):
         pixels = processor(videos=[clip], text=["<video>"], return_tensors="pt")["pixel_values"]

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 import torch
 
 from models import attention, from_preset
+from models.attention import AttentionBackend
+from models.protocol import segment_groups
 from models.qwen import FusedGateUpMLP, GeluEpilogueMLP, PatchLinear
 from tests.helpers import FAMILY_TINY, random_image, random_video, reference_item, reference_tower, relative_error
 
@@ -160,58 +163,57 @@ def test_fused_mlps_compute_transformers_mlp_with_the_same_weights(family_setup)
             reference.load_state_dict(original, strict=True)
 
 
-def dense_calls(monkeypatch) -> list[tuple[int, int]]:
-    """(count, length) of every dense attention batch run from now on."""
-    calls: list[tuple[int, int]] = []
-    dense = attention._dense
+@dataclass(frozen=True)
+class RecordingBackend(AttentionBackend):
+    """The sdpa backend, recording (count, length) of every dense attention batch it runs."""
 
-    def spy(q, k, v, length, scale):
-        calls.append((q.shape[0] // length, length))
-        return dense(q, k, v, length, scale)
+    calls: list = field(default_factory=list, compare=False)
 
-    monkeypatch.setattr(attention, "_dense", spy)
-    return calls
+    def dense(self, q, k, v, length, scale):
+        self.calls.append((q.shape[0] // length, length))
+        return super().dense(q, k, v, length, scale)
 
 
-def test_exact_hint_reaches_exactly_the_full_attention_layers(family_setup, monkeypatch):
+def test_exact_hint_reaches_exactly_the_full_attention_layers(family_setup):
     """Exact-layout (eager) packs tell attention their segment lengths: every full-attention layer
     runs each run of equal segments as one dense batch (cuDNN on CUDA; SDPA here), window layers
     and padded packs keep per-segment attention, and the outputs are transformers' per item."""
     encoder, reference = family_setup
-    config = encoder.tower.config
+    backend = RecordingBackend("sdpa")
+    recorded = from_preset(FAMILY_TINY[encoder.family], seed=1, attention=backend)  # the fixture's weights
+    assert recorded.tower.config._attn_implementation == backend.implementation != encoder.attention.implementation
+    config = recorded.tower.config
     full_layers = len(getattr(config, "fullatt_block_indexes", range(config.depth)))
-    pre = encoder.preprocessor
+    pre = recorded.preprocessor
     rng = np.random.default_rng(7)
     sizes = ((100, 140), (100, 140), (60, 60), (100, 140))
     resized = [pre.resize_image(random_image(rng, h, w)) for h, w in sizes]
     specs = [pre.spec("image", 1, *r.shape[-2:]) for r in resized]
     pixels = pre.pixel_values(resized, "image")
-    calls = dense_calls(monkeypatch)
-    before = attention.exact_hint_hits
-    out = encoder.forward_eager(pixels, specs)
-    assert attention.exact_hint_hits - before == full_layers
+    out = recorded.forward_eager(pixels, specs)
     lengths = [s.frame_patches for s in specs]
     assert lengths[0] != lengths[2]
-    assert calls == [(2, lengths[0]), (1, lengths[2]), (1, lengths[3])] * full_layers
+    assert backend.calls == [(2, lengths[0]), (1, lengths[2]), (1, lengths[3])] * full_layers
     row = token = 0
     for spec in specs:
         expected, _ = reference_item(reference, pixels[row : row + spec.input_patches], spec.grid_thw)
         assert relative_error(out.tokens[token : token + spec.output_tokens], expected) < TOLERANCE
         row, token = row + spec.input_patches, token + spec.output_tokens
 
-    calls.clear()  # a padded pack: no hint, no dense batch
-    layout = encoder.pack_layout(1024, 1024, 8)
-    padded = torch.zeros(1024 * encoder.merge_unit, encoder.patch_dim)
+    backend.calls.clear()  # a padded pack: no hint, no dense batch
+    layout = recorded.pack_layout(1024, 1024, 8)
+    padded = torch.zeros(1024 * recorded.merge_unit, recorded.patch_dim)
     padded[: pixels.shape[0]] = pixels
-    before = attention.exact_hint_hits
-    encoder.forward_padded(padded, encoder.pack_metadata(specs, layout), layout)
-    assert attention.exact_hint_hits == before and calls == []
+    recorded.forward_padded(padded, recorded.pack_metadata(specs, layout), layout)
+    assert backend.calls == []
+    encoder.forward_eager(pixels, specs)  # another encoder's backend: not this one's calls
+    assert backend.calls == []
 
 
-def test_exact_attention_groups_runs_and_falls_back_where_lengths_do_not_fit(monkeypatch):
+def test_exact_attention_groups_runs_and_falls_back_where_lengths_do_not_fit():
     """The grouped op against attention written out per segment (softmax(q k^T * scale) v): runs
     of equal segments as dense batches; lengths that do not describe the rows, none set, or more
-    than MAX_GROUPS runs take the per-segment (varlen) path. The result is the same every way."""
+    than `max_groups` runs take the per-segment (varlen) path. The result is the same every way."""
     torch.manual_seed(0)
     lengths = [5, 5, 5, 3, 7, 7]
     q, k, v = (torch.randn(sum(lengths), 2, 8, dtype=torch.float64) for _ in range(3))
@@ -222,21 +224,21 @@ def test_exact_attention_groups_runs_and_falls_back_where_lengths_do_not_fit(mon
         pieces.append((torch.softmax(qs @ ks.transpose(1, 2) * 0.3, dim=-1) @ vs).transpose(0, 1))
         start += n
     expected = torch.cat(pieces)
-    calls = dense_calls(monkeypatch)
-    assert attention.segment_groups([5, 5, 0, 5, 3, 7, 7]) == [(3, 5), (1, 3), (2, 7)]
+    backend = RecordingBackend("sdpa")
+    assert segment_groups([5, 5, 0, 5, 3, 7, 7]) == [(3, 5), (1, 3), (2, 7)]
     with attention.exact_segments(lengths):
-        got = attention.exact_attention(q, k, v, cu, 7, 0.3)
-    assert calls == [(3, 5), (1, 3), (2, 7)]
+        got = attention.exact_attention(q, k, v, cu, 7, 0.3, backend.register())  # the op finds its backend
+    assert backend.calls == [(3, 5), (1, 3), (2, 7)]
     assert relative_error(got, expected) < 1e-6
     for wrong in ([5, 5, 5, 3, 7, 6], [5, 5, 5, 3, 14], None):
-        calls.clear()
+        backend.calls.clear()
         with attention.exact_segments(wrong) if wrong else contextlib.nullcontext():
-            assert relative_error(attention.exact_attention(q, k, v, cu, 7, 0.3), expected) < 1e-6
-        assert calls == []
-    monkeypatch.setattr(attention, "MAX_GROUPS", 2)
+            assert relative_error(backend.exact(q, k, v, cu, 7, 0.3), expected) < 1e-6
+        assert backend.calls == []
+    few = RecordingBackend("sdpa", max_groups=2)
     with attention.exact_segments(lengths):
-        attention.exact_attention(q, k, v, cu, 7, 0.3)
-    assert calls == []
+        assert relative_error(few.exact(q, k, v, cu, 7, 0.3), expected) < 1e-6
+    assert few.calls == []
 
 
 def test_one_exact_compile_serves_equal_and_unequal_packs():
@@ -272,30 +274,47 @@ def test_one_exact_compile_serves_equal_and_unequal_packs():
         torch._dynamo.reset()
 
 
-def test_varlen_kernel_is_chosen_by_max_seqlen_at_run_time(monkeypatch):
+def test_varlen_kernel_is_chosen_by_backend_and_max_seqlen():
     """Routing only (the kernels themselves are GPU-tested in tests/models/test_gpu_attention.py):
-    with cuDNN in use, layouts of max_seqlen >= CUDNN_MIN_SEQLEN take its varlen kernel (through
-    its opaque op), shorter ones FlashAttention-2's; without it every layout takes
-    FlashAttention-2's."""
-    calls = []
-
-    def recorder(name):
-        def kernel(q, k, v, cu_seqlens, max_seqlen, scale):
-            calls.append((name, max_seqlen))
-            return torch.zeros_like(q)
-
-        return kernel
-
-    monkeypatch.setattr(attention, "_cudnn_varlen", recorder("cudnn"))
-    monkeypatch.setattr(attention, "_flash_varlen", recorder("flash"))
-    q = torch.randn(16, 2, 8)
-    cu = torch.tensor([0, 16], dtype=torch.int32)
+    under "cudnn", layouts of max_seqlen >= CUDNN_MIN_SEQLEN take its varlen kernel, shorter ones
+    FlashAttention-2's; "flash" always FlashAttention-2; "triton" ours at 16-byte head rows."""
     threshold = attention.CUDNN_MIN_SEQLEN
-    monkeypatch.setattr(attention, "_use_triton", False)
-    monkeypatch.setattr(attention, "_use_cudnn", True)
-    for max_seqlen in (threshold // 2, threshold, threshold * 8):
-        attention._varlen_cuda(q, q, q, cu, max_seqlen, 0.5)
-    monkeypatch.setattr(attention, "_use_cudnn", False)
-    attention._varlen_cuda(q, q, q, cu, threshold * 8, None)
-    expected = [("flash", threshold // 2), ("cudnn", threshold), ("cudnn", threshold * 8), ("flash", threshold * 8)]
-    assert calls == expected
+    cudnn, flash, triton = (AttentionBackend(kernel) for kernel in ("cudnn", "flash", "triton"))
+    assert [cudnn.varlen_kernel(n, 72) for n in (threshold // 2, threshold, threshold * 8)] == [
+        "flash",
+        "cudnn",
+        "cudnn",
+    ]
+    assert flash.varlen_kernel(threshold * 8, 72) == "flash"
+    assert triton.varlen_kernel(64, 72) == "triton" and triton.varlen_kernel(64, 36) == "flash"
+
+
+@pytest.mark.parametrize(
+    ("kernel", "groups", "max_seqlen", "head_dim", "launch_bound", "dense"),
+    [
+        ("flash", [(2, 784), (1, 256)], 784, 72, True, True),  # FlashAttention-2: a dense call per run
+        ("cudnn", [(4, 784)], 784, 72, True, True),  # one run: one dense batch
+        ("cudnn", [(1, 3136), (2, 784)], 3136, 72, False, False),  # several runs: one cuDNN varlen call
+        ("cudnn", [(1, 256), (2, 64)], 256, 80, False, True),  # below cuDNN's varlen threshold
+        ("triton", [(4, 784)], 784, 72, False, True),  # in a graph: dense cuDNN on short segments
+        ("triton", [(4, 784)], 784, 72, True, False),  # outside one: the Triton kernel's cheaper launch
+        ("triton", [(1, 5000)], 5000, 72, False, False),  # long, narrow head: Triton (TMA loads)
+        ("triton", [(1, 5000)], 5000, 80, False, True),  # long at a head dim of 80: dense cuDNN
+        ("triton", [(1, 1024), (2, 784)], 1024, 80, False, False),  # several runs: one Triton launch
+    ],
+)
+def test_exact_layouts_pick_dense_batches_or_one_varlen_launch(
+    kernel, groups, max_seqlen, head_dim, launch_bound, dense
+):
+    assert AttentionBackend(kernel).dense_on_cuda(groups, max_seqlen, head_dim, launch_bound) is dense
+
+
+def test_backends_answer_what_the_graph_runner_asks():
+    triton, cudnn = AttentionBackend("triton"), AttentionBackend("cudnn")
+    assert triton.graph_seqlen_buckets(8192) == (1024, 4096, 8192) and triton.graph_seqlen_buckets(1024) == (1024,)
+    assert cudnn.graph_seqlen_buckets(8192) is None  # one bucket per doubling
+    assert cudnn.exact_in_one_call([784, 784]) and not cudnn.exact_in_one_call([784, 256])
+    assert triton.exact_in_one_call([784, 256])
+    assert AttentionBackend.resolve("triton", "cpu") == AttentionBackend("sdpa")  # CPU has one path
+    with pytest.raises(ValueError, match="not one of"):
+        AttentionBackend("sdpa2")

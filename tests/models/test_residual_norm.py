@@ -85,7 +85,7 @@ def test_qwen3_tower_runs_its_own_block_loop_and_matches_transformers(monkeypatc
     with monkeypatch.context() as patch:
         patch.setattr(modeling_qwen3_vl.Qwen3VLVisionBlock, "forward", refuse)
         fused = encoder.forward_eager(pixels, [spec])
-    monkeypatch.setattr(qwen3_vl, "FUSED_RESIDUAL_NORMS", False)
+    encoder.fused_residual_norms = False
     plain = encoder.forward_eager(pixels, [spec])
     for out in (fused, plain):
         assert relative_error(out.tokens, expected) < 1e-5

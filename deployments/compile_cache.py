@@ -1,0 +1,70 @@
+"""Pre-build the compile cache of a deployment, so its replicas load compiled code instead of compiling.
+
+    python -m deployments.compile_cache --config configs/gpu.yaml [--app encoder] [--dir /shared/cache]
+
+Reads the Serve config's application args (validated as `AppConfig`), loads the encoder on
+this machine's GPU exactly as a replica does, and runs its full warm-up (compile, graphs,
+compiled exact route) in the foreground; the warm-up saves the compiled artifacts under
+`graphs.compile_cache` (or `--dir`) in a subdirectory keyed by model, layouts, torch, Triton and
+GPU (`encoder_graphs/compile_cache.py`). Run it on the GPU type that will serve, with
+`graphs.compile: true`; replicas started afterwards with the same config and directory find the
+artifacts. Running it again after a cache hit only re-saves if something new was compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from encoder_graphs.runner import EncoderRunner
+
+from .app import deployment_ladder
+from .config import AppConfig
+from .encoder import load_encoder
+
+BUILD_APP = "deployments.app:build_app"
+
+
+def app_config(path: str, app: str | None = None) -> AppConfig:
+    """The `args` of the application built by `deployments.app:build_app` in a Serve config file."""
+    document = yaml.safe_load(Path(path).read_text())
+    apps = [a for a in document.get("applications", []) if a.get("import_path") == BUILD_APP]
+    if app is not None:
+        apps = [a for a in apps if a.get("name") == app]
+    if len(apps) != 1:
+        names = [a.get("name") for a in apps]
+        raise SystemExit(f"{path}: expected one application built by {BUILD_APP}, found {names}; pick one with --app")
+    return AppConfig.model_validate(apps[0].get("args") or {})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="Serve config YAML (e.g. configs/gpu.yaml)")
+    parser.add_argument("--app", help="application name, when the file has several")
+    parser.add_argument("--dir", help="cache directory (default: the config's graphs.compile_cache)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    config = app_config(args.config, args.app)
+    graphs = config.graphs
+    if args.dir is not None:
+        graphs = dataclasses.replace(graphs, compile_cache=args.dir)
+    if not graphs.compile or graphs.compile_cache is None:
+        raise SystemExit("set graphs.compile: true and graphs.compile_cache (or --dir): there is nothing to cache")
+    config = config.model_copy(update={"graphs": graphs})
+    start = time.perf_counter()
+    encoder = load_encoder(config)
+    runner = EncoderRunner(encoder, graphs, deployment_ladder(config))
+    runner.prepare(progress=logging.info)
+    status = runner.warm_up(progress=logging.info)
+    print(f"compile cache {runner.compile_cache.path}: warm-up {status.stage} in {time.perf_counter() - start:.0f} s")
+    return 0 if status.full_speed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Capturing CUDA graphs into one shared memory pool (`GraphCapture`), and what each capture took.
+
+Graphs replay one at a time, so they share one pool: a capture reuses memory that earlier
+captures freed. The largest graph is captured first: its allocator segments are then split for
+every smaller graph's intermediates, where smaller-first would leave each larger capture
+allocating new segments and the pool growing with every step of the ladder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .entry import GraphEntry
+from .memory import MemoryReport, pool_reserved_bytes
+
+
+class GraphCapture:
+    """The shared graph pool of one device and the side stream warm-up runs use."""
+
+    def __init__(self, device: torch.device, memory: MemoryReport):
+        self.device = device
+        self.memory = memory
+        self.pool = None
+        self._side: torch.cuda.Stream | None = None
+
+    @property
+    def started(self) -> bool:
+        """Whether a graph was captured into the pool yet."""
+        return self.pool is not None
+
+    def _ensure_pool(self) -> None:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+            self._side = torch.cuda.Stream(self.device)
+
+    def warm(self, run: Callable[[], None]) -> None:
+        """`run` once on a side stream (kernel selection, plans, workspaces): what PyTorch asks
+        before a capture, so lazy initialisation never happens inside one."""
+        self._ensure_pool()
+        current = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(current)
+        with torch.cuda.stream(self._side):
+            run()
+        current.wait_stream(self._side)
+
+    def capture(self, entry: GraphEntry, run: Callable[[], None]) -> int:
+        """Capture `run` as `entry`'s graph into the shared pool; returns how much the pool grew.
+        `capture_error_mode="thread_local"`: another thread's CUDA calls do not invalidate it
+        (the runner's device lock keeps them out of the capture anyway)."""
+        self._ensure_pool()
+        before = pool_reserved_bytes(self.pool, self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            run()
+        entry.graph = graph
+        return pool_reserved_bytes(self.pool, self.device) - before
+
+    def pool_bytes(self) -> int:
+        return pool_reserved_bytes(self.pool, self.device) if self.pool is not None else 0

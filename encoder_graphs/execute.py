@@ -1,0 +1,151 @@
+"""Running one entry's static buffers (`EntryIO`): fill, replay (or its forward), copy out; and the
+padded forwards the runner's routes call (`Forwards`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from models.protocol import EncoderOutput, ItemOutput, ItemSpec, VisionEncoder
+
+from .entry import GraphEntry
+from .stats import RunnerStats
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def compile_state():
+    """The global state every compiled call runs in (warm-up, capture, exact route, recurring
+    graphs), whatever the caller's: dynamo guards on grad mode, so a compile made with grad off
+    would be missed by a caller with grad on. Not inference mode: compiling views under it fails
+    in AOT functionalization."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+@dataclass(frozen=True)
+class Forwards:
+    """The padded forwards of a runner: the encoder's own and, with `compile`, its compiled one."""
+
+    plain: Callable[..., EncoderOutput]
+    compiled: Callable[..., EncoderOutput] | None = None
+
+    @property
+    def padded(self) -> Callable[..., EncoderOutput]:
+        return self.compiled or self.plain
+
+
+def split_outputs(out: EncoderOutput, specs: Sequence[ItemSpec]) -> list[ItemOutput]:
+    """Per-item views of a pack's outputs (items in pack order)."""
+    results, start = [], 0
+    for spec in specs:
+        end = start + spec.output_tokens
+        deepstack = None if out.deepstack is None else out.deepstack[:, start:end]
+        results.append(ItemOutput(tokens=out.tokens[start:end], deepstack=deepstack))
+        start = end
+    return results
+
+
+def moved(out: EncoderOutput, device: torch.device) -> EncoderOutput:
+    deepstack = None if out.deepstack is None else out.deepstack.to(device)
+    return EncoderOutput(out.tokens.to(device), deepstack)
+
+
+class EntryIO:
+    """Copies into an entry's static inputs, runs it, and copies its used outputs out."""
+
+    def __init__(self, encoder: VisionEncoder, forwards: Forwards, stats: RunnerStats):
+        self.encoder = encoder
+        self.forwards = forwards
+        self.stats = stats
+
+    def fill(
+        self,
+        entry: GraphEntry,
+        pixel_values: torch.Tensor | Sequence[torch.Tensor],
+        metadata: dict[str, torch.Tensor] | None,
+    ) -> None:
+        """Copy a pack (its rows, or consecutive blocks of them) and its metadata (None: the
+        entry's own, kept) into the entry's static inputs; padding rows are zeroed."""
+        for name, host in (metadata or {}).items():
+            entry.inputs[name].copy_(host, non_blocking=True)
+        static = entry.inputs["pixel_values"]
+        used = 0
+        for block in [pixel_values] if isinstance(pixel_values, torch.Tensor) else pixel_values:
+            static[used : used + block.shape[0]].copy_(block)
+            used += block.shape[0]
+        static[used:].zero_()
+
+    def fill_empty(self, entry: GraphEntry) -> None:
+        """The entry's buffers as for a pack of no items (all padding): what capture runs on."""
+        empty = torch.zeros(0, self.encoder.patch_dim, device=self.encoder.device)
+        self.fill(entry, empty, self.encoder.pack_metadata([], entry.layout))
+
+    def compute(self, entry: GraphEntry, inputs: dict[str, torch.Tensor]) -> EncoderOutput:
+        """The entry's forward on `inputs` (its own, or others of the same specs)."""
+        metadata = {name: t for name, t in inputs.items() if name != "pixel_values"}
+        forward = entry.forward or self.forwards.padded
+        exact = entry.specs is not None
+        hint = self.encoder.exact_segments(entry.specs) if exact else contextlib.nullcontext()
+        with compile_state(), hint:
+            return forward(inputs["pixel_values"], metadata, entry.layout, *((True,) if exact else ()))
+
+    def forward_into(self, entry: GraphEntry) -> None:
+        """The entry's forward on its static inputs, into its static outputs (what a graph captures)."""
+        out = self.compute(entry, entry.inputs)
+        entry.outputs["tokens"].copy_(out.tokens)
+        finite = torch.isfinite(out.tokens).all(dim=-1)
+        if out.deepstack is not None:
+            entry.outputs["deepstack"].copy_(out.deepstack)
+            finite &= torch.isfinite(out.deepstack).all(dim=-1).all(dim=0)
+        # Per-row flags computed inside the graph: the host checks the used rows it copies out
+        # anyway, instead of scanning the outputs again.
+        entry.outputs["finite"].copy_(finite)
+
+    def execute(self, entry: GraphEntry) -> None:
+        """Replay the entry's graph, or run its forward (the compiled one never compiles here)."""
+        if entry.graph is not None:
+            entry.graph.replay()
+            return
+        compiled = self.forwards.compiled
+        if compiled is None or entry.forward not in (None, compiled):
+            self.forward_into(entry)
+            return
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                self.forward_into(entry)
+        except RuntimeError as error:
+            if "fail_on_recompile" not in str(error):
+                raise
+            self.stats.recompile_fallbacks += 1
+            logger.warning("the compiled forward would recompile for budget %s; it runs uncompiled", entry.key)
+            entry.forward = self.forwards.plain
+            self.forward_into(entry)
+
+    def take(self, entry: GraphEntry, tokens: int, device: torch.device) -> tuple[EncoderOutput, torch.Tensor]:
+        """The used output rows, copied (once) out of the shared static outputs to `device`, and
+        whether all of them are finite (a 0-dim tensor computed after the copies; reading it waits)."""
+        deepstack = entry.outputs.get("deepstack")
+        out = EncoderOutput(
+            tokens=entry.outputs["tokens"][:tokens].to(device, copy=True),
+            deepstack=None if deepstack is None else deepstack[:, :tokens].to(device, copy=True),
+        )
+        return out, entry.outputs["finite"][:tokens].all()
+
+    def launch(
+        self,
+        entry: GraphEntry,
+        metadata: dict[str, torch.Tensor] | None,
+        pixel_values: torch.Tensor | Sequence[torch.Tensor],
+        specs: Sequence[ItemSpec],
+        output_device: torch.device,
+    ) -> tuple[EncoderOutput, torch.Tensor]:
+        """Fill, replay and copy out, without waiting for the GPU: the outputs and their finite flag."""
+        self.fill(entry, pixel_values, metadata)
+        self.execute(entry)
+        return self.take(entry, sum(s.output_tokens for s in specs), output_device)

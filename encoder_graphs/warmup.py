@@ -1,0 +1,373 @@
+"""Startup in two parts (`WarmUp`): `prepare`, synchronous and seconds long, after which every pack
+runs eagerly on its exact layout; then `run`, meant for a background thread: startup costs, the
+compile, each graph built, checked and switched live one at a time (the traffic's budgets first),
+the compiled exact route, and full speed.
+
+Threading invariant: a graph is captured only while holding the runner's `device_lock`, which
+every pack (and the replica's device-side preprocessing) also holds, and until the warm-up ends
+no other thread captures or calls a compiled forward (`RecurringGraphs.enabled`, live flags), so
+no other thread's stream work, allocation, sync or dynamo stance can meet a capture or a compile.
+The warm-up runs compiles and reference forwards outside the lock, on tensors of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .budgets import sample_budgets
+from .buffers import StaticBuffers
+from .entry import LIVE, PENDING, GraphEntry, GraphKey
+from .preflight import check_eager, check_memory, raise_recompile_limits
+from .route_costs import attention_shapes
+from .selfcheck import best_ms, pack_error, synthetic_pixels, synthetic_specs
+from .table import input_specs
+
+if TYPE_CHECKING:
+    from .runner import EncoderRunner
+
+logger = logging.getLogger(__name__)
+
+COST_SAMPLES = 5
+"""Budgets at which the routes without a graph are timed at startup (interpolated between)."""
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class WarmupStatus:
+    """Where a runner's warm-up stands (for `/v1/models`, metrics and logs)."""
+
+    stage: str
+    """"created", "prepared", "costs", "compile", "graphs", "exact", "done", "stopped" or "failed"."""
+    graphs_live: int
+    graphs_total: int
+    compiled: bool | None
+    """Whether the padded forward is compiled yet (None: `compile` off)."""
+    exact_route: bool | None
+    """Whether the compiled exact-layout route serves (None: not configured)."""
+    stage_seconds: dict[str, float]
+    full_speed: bool
+    """Every graph built or refused, every configured route live: nothing left to warm."""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class WarmUp:
+    """Drives a runner's startup through its public parts (table, I/O, capture, routes, costs)."""
+
+    def __init__(self, runner: EncoderRunner):
+        self.runner = runner
+        self.stage = "created"
+        self.stage_seconds: dict[str, float] = {}
+        compiled = runner.forwards.compiled is not None
+        self.compiled: bool | None = False if compiled else None
+        self.exact_ok: bool | None = False if compiled and runner.config.compile_exact else None
+        self.full_speed = False
+        self._demand: Counter[GraphKey] = Counter()
+        """Packs served so far per graph they needed (read and written under the device lock)."""
+        self._built: list[GraphEntry] = []
+        """Graphs built and checked that go live only at the end (compiled forwards without graphs)."""
+
+    # ---- status ----
+
+    def status(self) -> WarmupStatus:
+        table = self.runner.table
+        return WarmupStatus(
+            self.stage,
+            table.live_count(),
+            len(table.entries),
+            self.compiled,
+            None if self.exact_ok is None else self.runner.exact.live,
+            dict(self.stage_seconds),
+            self.full_speed,
+        )
+
+    def note_demand(self, budget: int, longest: int) -> None:
+        """A pack that fits `budget` was served before its graph was live: build that one sooner."""
+        needed = self.runner.table.needed(budget, longest)
+        if needed is not None and not needed.live:
+            self._demand[needed.key] += 1
+
+    # ---- prepare ----
+
+    def prepare(self, progress: Progress) -> None:
+        """Memory check (CUDA graphs), the eager path checked on a reference pack: seconds."""
+        start = time.perf_counter()
+        runner = self.runner
+        if runner.compile_cache is not None:
+            runner.compile_cache.activate()
+        if runner.forwards.compiled is not None:
+            raise_recompile_limits(len(runner.table.entries))
+        if runner.use_graphs:
+            runner.memory.predicted_pool_bytes = check_memory(
+                runner.encoder, runner.table.budgets, runner.table.static_bytes, runner.config.memory_fraction
+            )
+        check_eager(runner.encoder, runner.config.self_check_tolerance)
+        self.stage = "prepared"
+        self.stage_seconds["prepare"] = round(time.perf_counter() - start, 3)
+        progress(
+            f"prepared in {self.stage_seconds['prepare']:.1f} s: every pack runs eagerly until its graph is live "
+            f"({len(runner.table.entries)} graphs to warm up)"
+        )
+
+    # ---- the background warm-up ----
+
+    def run(self, progress: Progress, stop: threading.Event) -> WarmupStatus:
+        """Every stage in turn until full speed, or until `stop` is set (between steps)."""
+        runner = self.runner
+        start = time.perf_counter()
+        stages = (
+            ("costs", runner.use_graphs, self._measure_costs),
+            ("compile", runner.forwards.compiled is not None, self._compile),
+            ("graphs", True, self._build_graphs),
+            ("exact", runner.forwards.compiled is not None and runner.config.compile_exact, self._compile_exact),
+        )
+        try:
+            for stage, wanted, step in stages:
+                if not wanted:
+                    continue
+                self.stage = stage
+                began = time.perf_counter()
+                step(progress, stop)
+                if stop.is_set():
+                    self.stage = "stopped"
+                    progress(f"warm-up stopped during {stage}")
+                    return self.status()
+                self.stage_seconds[stage] = round(time.perf_counter() - began, 3)
+                progress(f"warm-up: {stage} done in {self.stage_seconds[stage]:.1f} s")
+            self._finish()
+        except Exception:
+            self.stage = "failed"
+            raise
+        status = self.status()
+        progress(
+            f"full speed {time.perf_counter() - start:.1f} s into the warm-up: {status.graphs_live}/"
+            f"{status.graphs_total} graphs live, compiled {status.compiled}, exact route {status.exact_route}"
+        )
+        return status
+
+    def _measure_costs(self, progress: Progress, stop: threading.Event) -> None:
+        """The uncompiled eager route timed on full packs of a few budgets: what plans compare
+        graphs with (its reference run, outside the lock, warms it)."""
+        runner, encoder = self.runner, self.runner.encoder
+        points = []
+        for budget in sample_budgets(runner.table.budgets, COST_SAMPLES):
+            if stop.is_set():
+                return
+            specs, pixels = self._sample_pack(runner.table.by_budget[budget][0].key)
+            encoder.forward_eager(pixels, specs)
+            with runner.device_lock:
+                ms = best_ms(lambda: encoder.forward_eager(pixels, specs), encoder.device)
+            points.append((sum(s.output_tokens for s in specs), ms))
+        runner.costs.set_startup("eager_ms", points)
+
+    def _compile(self, progress: Progress, stop: threading.Event) -> None:
+        """Load the compile cache, then compile the padded forward on the largest graph's layout."""
+        runner = self.runner
+        if runner.compile_cache is not None:
+            loaded = runner.compile_cache.load()
+            progress(f"compile cache {runner.compile_cache.path}: {loaded} artifacts loaded")
+        largest = runner.table.entries[max(runner.table.entries)]
+        began = time.perf_counter()
+        self._warm_compiled(largest)
+        self.compiled = True
+        progress(f"compiled the padded forward in {time.perf_counter() - began:.1f} s")
+
+    def _warm_compiled(self, entry: GraphEntry) -> None:
+        """The compiled forward once on private inputs shaped as `entry`'s (prefix views, as the
+        shared buffers are: dynamo guards on views), outside the lock: whatever it compiles, no
+        pack waits for."""
+        encoder = self.runner.encoder
+        specs = input_specs(encoder, entry.layout)
+        private = StaticBuffers([specs], encoder.device).views(specs)
+        for name, host in encoder.pack_metadata([], entry.layout).items():
+            private[name].copy_(host)
+        with self._capturing():
+            self.runner.io.compute(entry, private)
+
+    def _capturing(self):
+        return self.runner.encoder.capturing() if self.runner.use_graphs else contextlib.nullcontext()
+
+    def _build_graphs(self, progress: Progress, stop: threading.Event) -> None:
+        total = len(self.runner.table.entries)
+        done = 0
+        while not stop.is_set():
+            entry = self._next_entry()
+            if entry is None:
+                return
+            began = time.perf_counter()
+            self._build(entry)
+            done += 1
+            grown = self.runner.memory.graph_bytes.get(entry.key, 0) / 2**20
+            progress(
+                f"graph {done}/{total} {entry.state if entry.state != PENDING else 'checked'}: budget {entry.key[0]} "
+                f"tokens, max_seqlen {entry.key[1]} (+{grown:.1f} MiB, {(time.perf_counter() - began) * 1e3:.0f} ms)"
+            )
+
+    def _next_entry(self) -> GraphEntry | None:
+        """The largest graph first where graphs share a pool (it sizes the pool); then those the
+        traffic served so far needed, most needed first; then the cheapest (smallest) first."""
+        runner = self.runner
+        with runner.device_lock:
+            pending = [e for e in runner.table.entries.values() if e.state == PENDING and e not in self._built]
+            if not pending:
+                return None
+            if runner.capture is not None and not runner.capture.started:
+                return max(pending, key=lambda e: e.key)
+            demanded = [e for e in pending if self._demand[e.key]]
+            if demanded:
+                return max(demanded, key=lambda e: (self._demand[e.key], -e.key[0], -e.key[1]))
+            return min(pending, key=lambda e: e.key)
+
+    def _build(self, entry: GraphEntry) -> None:
+        """One step: compile for the layout (no lock), the eager reference (no lock), then under
+        the lock the capture, one checked run and the replay timing; live if it passed."""
+        runner = self.runner
+        if runner.forwards.compiled is not None:
+            self._warm_compiled(entry)
+        check = runner.config.self_check and (runner.use_graphs or runner.forwards.compiled is not None)
+        if check:
+            specs, pixels = self._sample_pack(entry.key)
+            reference = runner.encoder.forward_eager(pixels, specs)
+            metadata = runner.encoder.pack_metadata(specs, entry.layout)
+        with runner.device_lock:
+            if runner.capture is not None and not self._capture(entry):
+                return
+            if check and not self._check(entry, pixels, specs, metadata, reference):
+                return
+            if runner.capture is None and runner.forwards.compiled is not None:
+                self._built.append(entry)  # the serving thread calls no compiled forward yet
+            else:
+                entry.state = LIVE
+
+    def _capture(self, entry: GraphEntry) -> bool:
+        """Warm on a side stream, then capture (both picking kernels as for a graph); a second time
+        with the uncompiled forward where the compiled one would recompile. False: disabled."""
+        runner = self.runner
+        io, capture = runner.io, runner.capture
+        io.fill_empty(entry)
+        for _ in range(2):
+            try:
+                with runner.encoder.capturing(), self._no_recompile(entry):
+                    capture.warm(lambda: io.forward_into(entry))
+                    runner.memory.graph_bytes[entry.key] = capture.capture(entry, lambda: io.forward_into(entry))
+                return True
+            except _Retry:
+                continue
+            except Exception as exc:  # one graph lost; the packs it would serve run elsewhere
+                logger.exception("capturing graph %s failed", entry.key)
+                runner.table.disable(entry, f"capture failed: {type(exc).__name__}")
+                return False
+        return False
+
+    @contextlib.contextmanager
+    def _no_recompile(self, entry: GraphEntry):
+        """Under the lock the compiled forward must not compile: where it would (a layout the
+        private warm run did not cover), the entry keeps the uncompiled forward (counted)."""
+        compiled = self.runner.forwards.compiled
+        if compiled is None or entry.forward is not None:
+            yield
+            return
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                yield
+        except RuntimeError as error:
+            if "fail_on_recompile" not in str(error):
+                raise
+            self.runner.stats.recompile_fallbacks += 1
+            logger.warning("graph %s would recompile under the device lock; it keeps the uncompiled forward", entry.key)
+            entry.forward = self.runner.forwards.plain
+            raise _Retry from error
+
+    def _check(self, entry: GraphEntry, pixels, specs, metadata, reference) -> bool:
+        """One run of the entry on the sample pack against the eager reference; timed after."""
+        runner = self.runner
+        tokens = sum(s.output_tokens for s in specs)
+        runner.io.fill(entry, pixels, metadata)
+        if entry.graph is not None:
+            runner.io.execute(entry)
+        else:  # may compile: CPU attention reads segment lengths on the host, and dynamo guards on them
+            runner.io.forward_into(entry)
+        deepstack = entry.outputs.get("deepstack")
+        error = pack_error(
+            entry.outputs["tokens"][:tokens], None if deepstack is None else deepstack[:, :tokens], reference
+        )
+        entry.self_check_error = error
+        if not math.isfinite(error) or error > runner.config.self_check_tolerance:
+            runner.table.disable(entry, f"self-check error {error:.3g} > {runner.config.self_check_tolerance}")
+            return False
+        if runner.capture is not None:
+            # Copies in and out included: a split pays them per part.
+            launch = lambda: runner.io.launch(entry, metadata, pixels, specs, runner.device)  # noqa: E731
+            entry.replay_ms = best_ms(launch, runner.device)
+        return True
+
+    def _sample_pack(self, key: GraphKey):
+        encoder = self.runner.encoder
+        specs = synthetic_specs(encoder, *key, self.runner.ladder.max_items)
+        return specs, synthetic_pixels(specs, encoder.patch_dim, encoder.device, seed=key[0] + key[1]).to(encoder.dtype)
+
+    def _compile_exact(self, progress: Progress, stop: threading.Event) -> None:
+        """Compile the exact route, check it against eager at a few budgets and time it there.
+        An error or a mismatch leaves it off: an optimisation, the runner serves without it."""
+        runner, encoder = self.runner, self.runner.encoder
+        self.exact_ok = False
+        try:
+            runner.exact.compile(runner.table.budgets[-1] * encoder.merge_unit, progress)
+        except Exception:
+            logger.exception("compiling the exact-layout route failed; packs without a graph run uncompiled")
+            return
+        points = []
+        for budget in sample_budgets(runner.table.budgets, COST_SAMPLES):
+            if stop.is_set():
+                return
+            specs, _ = self._sample_pack(runner.table.by_budget[budget][0].key)
+            equal = [s for s in specs if s == specs[0]]
+            pixels = synthetic_pixels(equal, encoder.patch_dim, encoder.device, seed=budget).to(encoder.dtype)
+            out = runner.exact.run_compiled(pixels, equal)
+            if out is None:  # would need a compile at this size: left unmeasured
+                continue
+            error = pack_error(out.tokens, out.deepstack, encoder.forward_eager(pixels, equal))
+            if not math.isfinite(error) or error > runner.config.self_check_tolerance:
+                logger.warning("compiled exact-layout route turned off: error %.3g at budget %d", error, budget)
+                return
+            runner.costs.mark_run(attention_shapes(equal))
+            runner.exact.min_rows = min(runner.exact.min_rows, sum(s.input_patches for s in equal))
+            if runner.use_graphs:
+                with runner.device_lock:
+                    ms = best_ms(lambda: runner.exact.run_compiled(pixels, equal), encoder.device)
+                points.append((sum(s.output_tokens for s in equal), ms))
+        runner.costs.set_startup("exact_ms", points)
+        self.exact_ok = True
+
+    def _finish(self) -> None:
+        """Switch on what the serving thread may only use once no warm-up step can run: compiled
+        forwards without graphs, the exact route, recurring graphs; then save the compile cache."""
+        runner = self.runner
+        with runner.device_lock:
+            for entry in self._built:
+                if entry.enabled:
+                    entry.state = LIVE
+            runner.exact.live = bool(self.exact_ok)
+            runner.recurring.enabled = True
+            if runner.use_graphs:
+                runner.memory.peak_allocated_bytes = torch.cuda.max_memory_allocated(runner.device)
+            self.full_speed = True
+            self.stage = "done"
+        if runner.compile_cache is not None and runner.forwards.compiled is not None:
+            runner.compile_cache.save()
+
+
+class _Retry(Exception):
+    """A locked step that must run again with the uncompiled forward."""

@@ -1,0 +1,133 @@
+"""Startup: `prepare`, then a warm-up in a background thread while packs are served (CPU)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from encoder_graphs.config import GraphConfig
+from encoder_graphs.runner import EncoderRunner
+from models import from_preset
+from tests.helpers import random_image, reference_item, reference_tower, relative_error
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    encoder = from_preset("qwen3-vl-tiny", seed=4)
+    return encoder, reference_tower(encoder)
+
+
+def images(encoder, seed: int, sizes):
+    pre = encoder.preprocessor
+    resized = [pre.resize_image(random_image(np.random.default_rng(seed), h, w)) for h, w in sizes]
+    return pre.pixel_values(resized, "image"), [pre.spec("image", 1, *r.shape[-2:]) for r in resized]
+
+
+def assert_matches_reference(reference, pixels, specs, outputs):
+    assert len(outputs) == len(specs)  # nothing lost
+    row = 0
+    for spec, out in zip(specs, outputs):
+        expected, deepstack = reference_item(reference, pixels[row : row + spec.input_patches], spec.grid_thw)
+        assert relative_error(out.tokens, expected) <= 1e-4 and relative_error(out.deepstack, deepstack) <= 1e-4
+        row += spec.input_patches
+
+
+def route(runner) -> str:
+    last = runner.stats.last
+    return "graph" if last.graph else last.eager_reason
+
+
+def serve_while(thread: threading.Thread, runner, reference, packs) -> list[str]:
+    """Serve the packs round after round until the warm-up thread ends; the route of each."""
+    routes = []
+    while thread.is_alive():
+        for pixels, specs in packs:
+            assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+            routes.append(route(runner))
+    return routes
+
+
+def test_packs_served_during_a_background_warm_up_match_transformers(qwen3):
+    """After `prepare` the runner serves at once (eagerly on exact layouts); graphs go live one
+    by one under the warm-up thread while packs keep coming: every output is transformers' own,
+    and packs move to graphs as their graphs go live."""
+    encoder, reference = qwen3
+    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=512))
+    runner.prepare(progress=lambda message: None)
+    assert runner.warmup_status().stage == "prepared" and runner.live_budgets() == ()
+    log: list[str] = []
+
+    def slow_progress(message: str) -> None:  # each step takes a while: packs arrive between steps
+        log.append(message)
+        time.sleep(0.05)
+
+    thread = threading.Thread(target=runner.warm_up, args=(slow_progress,), daemon=True)
+    packs = [images(encoder, 1, [(256, 256), (300, 200)]), images(encoder, 2, [(200, 200)] * 3)]
+    thread.start()
+    routes = serve_while(thread, runner, reference, packs)
+    thread.join()
+    status = runner.warmup_status()
+    assert status.full_speed and status.stage == "done" and status.graphs_live == status.graphs_total
+    assert routes[0] == "warming" and "graph" in routes, routes
+    assert runner.stats.packs == len(routes) and runner.stats.items == sum(len(p[1]) for p in packs) * len(routes) // 2
+    assert any(message.startswith("full speed") for message in log)
+    for pixels, specs in packs:
+        assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+        assert runner.stats.last.graph
+
+
+def test_the_graphs_the_traffic_needed_are_built_first(qwen3):
+    encoder, _ = qwen3
+    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=512))
+    runner.prepare(progress=lambda message: None)
+    pixels, specs = images(encoder, 3, [(256, 256), (300, 200)])
+    budget = runner.table.fitting_budget(sum(s.output_tokens for s in specs))
+    assert budget != runner.table.budgets[0]
+    runner.run(pixels, specs)
+    log: list[str] = []
+    runner.warm_up(progress=log.append)
+    first = next(message for message in log if message.startswith("graph "))
+    assert f"budget {budget} tokens" in first, first
+
+
+def test_a_stopped_warm_up_leaves_a_serving_runner(qwen3):
+    encoder, reference = qwen3
+    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=512))
+    runner.prepare(progress=lambda message: None)
+    stop = threading.Event()
+
+    def stop_after_three(message: str) -> None:
+        if message.startswith("graph 3/"):
+            stop.set()
+
+    status = runner.warm_up(progress=stop_after_three, stop=stop)
+    assert status.stage == "stopped" and not status.full_speed and status.graphs_live == 3
+    pixels, specs = images(encoder, 4, [(256, 256), (300, 200)])
+    assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+
+
+def test_a_background_compile_never_meets_a_pack(qwen3):
+    """With a compiled forward (dynamo, "eager" backend) the warm-up compiles in its thread while
+    packs run: they take the uncompiled eager route or live graphs meanwhile, never a compile and
+    never a compiled call (dynamo's stance is process-global), and all agree with transformers.
+    From full speed on, the compiled routes serve."""
+    encoder, reference = qwen3
+    torch._dynamo.reset()
+    compiled = torch.compile(encoder.forward_padded, backend="eager", dynamic=True)
+    runner = EncoderRunner(encoder, GraphConfig(budgets=(64, 256)), compiled_forward=compiled)
+    runner.prepare(progress=lambda message: None)
+    thread = threading.Thread(target=runner.warm_up, kwargs={"progress": lambda message: None}, daemon=True)
+    packs = [images(encoder, 5, [(256, 256)]), images(encoder, 6, [(500, 500), (500, 500)])]
+    thread.start()
+    routes = serve_while(thread, runner, reference, packs)
+    thread.join()
+    assert routes and runner.stats.recompile_fallbacks == 0 and runner.stats.compiled_exact == 0
+    assert runner.warmup_status().compiled and runner.warmup_status().exact_route
+    pixels, specs = packs[1]  # oversize, equal images: the compiled exact route now
+    assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+    assert runner.stats.last.compiled
+    torch._dynamo.reset()
