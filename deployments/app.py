@@ -7,9 +7,10 @@
 
 The builder validates first (pydantic, `extra="forbid"`), then binds: an `EncoderRouter`
 ingress in front of `EncoderReplica`s routed by queued tokens and, when `llm` is set, an
-`LLMReplica` deployment fed with the encoders' embeddings (E/PD). Each deployment's Serve
-options (replicas, `ray_actor_options`, autoscaling) can be overridden in the YAML's
-`deployments:` section by these names.
+LLM deployment fed with the encoders' embeddings (E/PD): `LLMReplica` (transformers) or,
+with `llm.engine: vllm`, `VLLMReplica`. Each deployment's Serve options (replicas,
+`ray_actor_options`, autoscaling) can be overridden in the YAML's `deployments:` section by
+these names.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .encoder import EncoderReplica
 from .llm import LLMReplica
 from .router import EncoderRouter
 from .routing import FewestQueuedTokensRouter
+from .vllm_engine import VLLMReplica
 
 ROUTING_STATS_PERIOD_S = 1.0
 
@@ -44,5 +46,6 @@ def build_app(args: AppConfig) -> Application:
     llm = None
     if config.llm is not None:
         resources = {"num_cpus": 1, "num_gpus": 1 if config.llm.device == "cuda" else 0}
-        llm = LLMReplica.options(ray_actor_options=resources).bind(config)
+        replica = VLLMReplica if config.llm.engine == "vllm" else LLMReplica
+        llm = replica.options(ray_actor_options=resources).bind(config)
     return EncoderRouter.bind(config, encoder, llm)
