@@ -62,6 +62,16 @@ def replica_failed(error: Exception) -> bool:
     return "CUDA error" in str(error) or "CUDA out of memory" in str(error)
 
 
+async def result_within(response, timeout_s: float):
+    """A handle call's result, or a 504 after `timeout_s`. The call is cancelled then, so that its
+    replica stops working on it: merely ceasing to await a `DeploymentResponse` does not."""
+    try:
+        return await asyncio.wait_for(response, timeout_s)
+    except asyncio.TimeoutError:
+        response.cancel()
+        raise RequestError(504, f"not done within request_timeout_s={timeout_s}", error_type="timeout_error") from None
+
+
 @dataclass
 class EncodeResult:
     """One item's result through the Python handle."""
@@ -186,13 +196,7 @@ class EncoderRouter:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._chat_stream(request, include_usage), media_type="text/event-stream")
-        try:
-            result = await asyncio.wait_for(self.llm.generate.remote(request), self.config.router.request_timeout_s)
-        except asyncio.TimeoutError:
-            timeout = self.config.router.request_timeout_s
-            raise RequestError(
-                504, f"not done within request_timeout_s={timeout}", error_type="timeout_error"
-            ) from None
+        result = await result_within(self.llm.generate.remote(request), self.config.router.request_timeout_s)
         return completion(self.config.model.model_id, result)
 
     async def chat(self, messages: list[dict], **params) -> dict:

@@ -188,6 +188,7 @@ class VLLMReplica:
                 finished = output.finished
                 yield output, handoff
         except client_errors() as error:  # vLLM's input checks: prompt too long, too many items, ...
+            finished = True  # refused before it started: nothing to abort
             raise RequestError(400, str(error)) from None
         finally:  # cancelled (client gone, router timeout) or the stream was closed early
             if not finished:

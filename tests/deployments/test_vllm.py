@@ -28,7 +28,9 @@ from openai import OpenAI
 from ray import serve
 from transformers import AutoProcessor
 
+from deployments.errors import RequestError
 from deployments.llm import GenerateRequest
+from deployments.router import result_within
 from models.protocol import ItemOutput
 from models.tiny_checkpoint import save_tiny_vlm
 from tests.deployments.media_helpers import pattern
@@ -89,9 +91,20 @@ def video_reference(llm, checkpoint: str, fps: float):
     return list(out.outputs[0].token_ids), len(out.prompt_token_ids)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def family(request):
-    return request.param
+def only_for(*families: str):
+    """Runs a test for these families only (the serving behaviour does not depend on the family)."""
+
+    def mark(test):
+        test.families = list(families)
+        return test
+
+    return mark
+
+
+def pytest_generate_tests(metafunc):
+    """Each family's tests run together, on one app (one vLLM engine alive at a time)."""
+    if "family" in metafunc.fixturenames:
+        metafunc.parametrize("family", getattr(metafunc.function, "families", FAMILIES), scope="module")
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +201,7 @@ def test_video_embeddings_from_our_encoder_equal_vllm_from_frames(app, reference
     assert (result.token_ids, result.prompt_tokens) == (ids, prompt_tokens)
 
 
+@only_for("qwen3-vl")
 def test_concurrent_chats_complete_and_equal_their_solo_runs(app):
     prompts = [(IMAGES[i % 3 : i % 3 + 1 + i % 2], f"Picture {i}: what is in it?") for i in range(16)]
     solo = [chat(app, images, 12, text)["choices"][0]["token_ids"] for images, text in prompts]
@@ -196,6 +210,7 @@ def test_concurrent_chats_complete_and_equal_their_solo_runs(app):
     assert [reply["choices"][0]["token_ids"] for reply in together] == solo
 
 
+@only_for("qwen3-vl")
 def test_streaming_gives_the_same_tokens_text_and_usage(app, serve_harness):
     url = app + "/v1/chat/completions"
     body = {"messages": openai_messages(IMAGES[:2]), "max_tokens": 12, "temperature": 0}
@@ -211,6 +226,7 @@ def test_streaming_gives_the_same_tokens_text_and_usage(app, serve_harness):
     assert chunks[-1]["usage"] == whole["usage"]
 
 
+@only_for("qwen3-vl")
 def test_a_client_that_goes_away_aborts_its_request(app, family):
     """Closing the stream cancels the replica's generator, which aborts the request in vLLM."""
     handle = serve.get_deployment_handle("VLLMReplica", app_name(family))
@@ -231,6 +247,23 @@ def test_a_client_that_goes_away_aborts_its_request(app, family):
     assert described["unfinished_requests"] == 0
 
 
+@only_for("qwen3-vl")
+def test_the_routers_timeout_aborts_the_request(app, family):
+    """At `request_timeout_s` the router gives up on the replica's response, which must abort it."""
+    handle = serve.get_deployment_handle("VLLMReplica", app_name(family))
+    before = handle.describe.remote().result()["aborted_requests"]
+    story = [{"role": "user", "content": "Tell a long story about the harbor."}]
+
+    async def give_up():
+        with pytest.raises(RequestError) as raised:
+            await result_within(handle.generate.remote(GenerateRequest(story, [], [], max_tokens=500)), 0.5)
+        assert raised.value.status == 504
+
+    asyncio.run(give_up())
+    described = poll(lambda: handle.describe.remote().result(), lambda d: d["aborted_requests"] > before)
+    assert described["unfinished_requests"] == 0
+
+
 def poll(read, done, timeout_s: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while not done(value := read()):
@@ -239,6 +272,7 @@ def poll(read, done, timeout_s: float = 30.0) -> dict:
     return value
 
 
+@only_for("qwen3-vl")
 def test_a_prompt_longer_than_the_engine_takes_is_a_400(app, serve_harness):
     long_text = "The harbor wakes before the town does. " * 600  # past max_model_len=4096 tokens
     body = {"messages": [{"role": "user", "content": long_text}], "max_tokens": 4}
@@ -248,6 +282,7 @@ def test_a_prompt_longer_than_the_engine_takes_is_a_400(app, serve_harness):
     assert response.json()["error"]["type"] == "invalid_request_error"
 
 
+@only_for("qwen3-vl")
 def test_describe_names_the_engine_and_counts_the_handoff(app, family):
     chat(app, IMAGES[:1], 2)
     described = serve.get_deployment_handle("VLLMReplica", app_name(family)).describe.remote().result()
