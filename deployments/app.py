@@ -7,9 +7,10 @@
 
 The builder validates first (pydantic, `extra="forbid"`), then binds: an `EncoderRouter`
 ingress in front of `EncoderReplica`s routed by queued tokens and, when `llm` is set, an
-`LLMReplica` deployment fed with the encoders' embeddings (E/PD). Each deployment's Serve
-options (replicas, `ray_actor_options`, autoscaling) can be overridden in the YAML's
-`deployments:` section by these names.
+LLM deployment fed with the encoders' embeddings (E/PD): `LLMReplica` (transformers) or,
+with `llm.engine: vllm`, `VLLMReplica`. Each deployment's Serve options (replicas,
+`ray_actor_options`, autoscaling) can be overridden in the YAML's `deployments:` section by
+these names.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .llm import LLMReplica
 from .router import EncoderRouter
 from .routing import FewestQueuedTokensRouter
 from .validation import validate
+from .vllm_engine import VLLMReplica
 
 ROUTING_STATS_PERIOD_S = 1.0
 
@@ -61,5 +63,6 @@ def build_app(args: dict) -> Application:
     llm = None
     if config.llm is not None:
         resources = {"num_cpus": 1, "num_gpus": 1 if config.llm.device == "cuda" else 0}
-        llm = LLMReplica.options(ray_actor_options=resources, logging_config=logging_config).bind(config)
+        replica = VLLMReplica if config.llm.engine == "vllm" else LLMReplica
+        llm = replica.options(ray_actor_options=resources, logging_config=logging_config).bind(config)
     return EncoderRouter.options(logging_config=logging_config).bind(config, encoder, llm, ladder)

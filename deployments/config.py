@@ -8,7 +8,7 @@ override them in the YAML's `deployments:` section, as for any Ray Serve applica
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -152,6 +152,16 @@ class LLMSettings(_Strict):
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where LLM replicas run.")
     seed: int = Field(0, description="Seed of the preset's random weights.")
     max_tokens: int = Field(512, gt=0, description="Largest max_tokens a request may ask for.")
+    engine: Literal["transformers", "vllm"] = Field(
+        "transformers",
+        description="transformers: its `generate`, one request at a time (the reference); vllm: vLLM's async "
+        "engine with continuous batching, fed the embeddings (needs vLLM installed and `path`).",
+    )
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="vllm only: more `AsyncEngineArgs` (max_model_len, gpu_memory_utilization, enforce_eager, "
+        "limit_mm_per_prompt, ...); `model`, `dtype` and `enable_mm_embeds` are set from the fields above.",
+    )
     max_prompt_tokens: int = Field(
         8192, gt=0, description="Longest prompt (text and vision tokens) a chat request may have (413 above)."
     )
@@ -165,6 +175,17 @@ class LLMSettings(_Strict):
 
     @model_validator(mode="after")
     def _check_preset(self) -> LLMSettings:
+        if self.engine == "vllm":
+            if self.path is None:
+                raise ValueError(
+                    "llm.engine 'vllm' serves a checkpoint: set llm.path (and model.path) to the same VLM "
+                    "checkpoint; for a tiny one vLLM can run: models.tiny_checkpoint.save_tiny_vlm(..., for_vllm=True)"
+                )
+            reserved = sorted({"model", "dtype", "enable_mm_embeds"} & set(self.engine_kwargs))
+            if reserved:
+                raise ValueError(f"llm.engine_kwargs may not set {reserved}: use llm.path and llm.dtype")
+        elif self.engine_kwargs:
+            raise ValueError("llm.engine_kwargs is for llm.engine 'vllm'; the transformers engine takes none")
         if self.path is None:
             name = self.preset if self.preset in PRESETS else f"{self.family}-{self.preset}"
             if name not in PRESETS or PRESETS[name].family != self.family:
@@ -188,6 +209,11 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_families(self) -> AppConfig:
+        if self.llm is not None and self.llm.engine == "vllm" and self.model.path is None:
+            raise ValueError(
+                "llm.engine 'vllm' serves llm.path's weights: the encoders must run that checkpoint's tower; "
+                f"set model.path to it too (now model.preset={self.model.preset!r})"
+            )
         if self.llm is not None and self.model.path is None and self.llm.path is None:
             if self.llm.family != self.model.family:
                 raise ValueError(

@@ -41,14 +41,16 @@ class GenerateRequest:
     """What the router sends: the chat messages (images as placeholders) and embedding references."""
 
     messages: list[dict]
-    """HF chat-template messages; image parts are `{"type": "image"}`, in order."""
+    """HF chat-template messages; image parts are `{"type": "image"}` (the vLLM replica's: also `{"type": "video"}`)."""
     embeddings: list[Any]
-    """One Ray ObjectRef (resolving to an `ItemOutput`) per image, in message order."""
+    """One Ray ObjectRef (resolving to an `ItemOutput`) per image or video, in message order."""
     grids: list[tuple[int, int, int]]
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    frame_seconds: list[list[float]] = field(default_factory=list)
+    """Per video, in message order: each sampled frame's time in seconds (empty: 2 frames a second)."""
 
 
 @dataclass
@@ -134,6 +136,17 @@ def expand_image_pads(text: str, pad: str, counts: list[int], start: str = "", e
     return "".join(out)
 
 
+async def fetch_embeddings(refs: list, totals: dict) -> tuple[list[ItemOutput], dict]:
+    """(the encoder outputs behind `refs`, this handoff's images, bytes and ms), added to `totals`."""
+    start = time.perf_counter()
+    items = list(await asyncio.gather(*refs)) if refs else []
+    moved = sum(i.tokens.nbytes + (0 if i.deepstack is None else i.deepstack.nbytes) for i in items)
+    handoff = {"images": len(items), "bytes": moved, "ms": (time.perf_counter() - start) * 1e3}
+    for key in totals:
+        totals[key] += handoff[key]
+    return items, handoff
+
+
 @serve.deployment(max_ongoing_requests=16)
 class LLMReplica:
     def __init__(self, config: AppConfig):
@@ -163,13 +176,7 @@ class LLMReplica:
         """Generations stopped because their request went away (timed out or disconnected)."""
 
     async def _fetch(self, request: GenerateRequest) -> tuple[list[ItemOutput], dict]:
-        start = time.perf_counter()
-        items = list(await asyncio.gather(*request.embeddings)) if request.embeddings else []
-        moved = sum(i.tokens.nbytes + (0 if i.deepstack is None else i.deepstack.nbytes) for i in items)
-        handoff = {"images": len(items), "bytes": moved, "ms": (time.perf_counter() - start) * 1e3}
-        for key in self.handoff_totals:
-            self.handoff_totals[key] += handoff[key]
-        return items, handoff
+        return await fetch_embeddings(request.embeddings, self.handoff_totals)
 
     def _inputs(self, request: GenerateRequest) -> dict:
         text = self.tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)

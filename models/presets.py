@@ -129,6 +129,7 @@ INTERNVL_SPECIAL_TOKENS = {
     "<IMG_CONTEXT>": 151667,
 }
 
+
 def vlm_token_ids(special_tokens: dict[str, int]) -> dict[str, int]:
     """The VLM config's token-id fields for a vocabulary's special tokens."""
     return {

@@ -6,12 +6,15 @@ InternVLProcessor, ...): the tiny preset's image and video processors, a byte-le
 tokenizer trained here on a few paragraphs (ids 0..999, then the preset's special tokens:
 `TINY_SPECIAL_TOKENS`, InternVL's `TINY_INTERNVL_SPECIAL_TOKENS`) and the family's chat
 template (Qwen2-VL's; InternVL's). Nothing is downloaded; tests and demos use it in place of a
-hub repo.
+hub repo. `for_vllm` widens the language model to a head size vLLM's CPU attention takes.
+
+    python -m models.tiny_checkpoint qwen3-vl /tmp/tiny-qwen3-vl --for-vllm
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,6 +34,16 @@ from .presets import TINY_SPECIAL_TOKENS, TINY_TEXT_CONFIG, Preset, resolve_pres
 
 BASE_VOCAB_SIZE = 1000
 """Ids below this are byte-level BPE tokens; the special tokens follow (`TINY_SPECIAL_TOKENS`)."""
+
+VLLM_HEAD_DIM = 64
+"""vLLM's CPU attention takes head sizes from 32 in steps of 16 (not the tiny presets' 24)."""
+VLLM_TEXT_OVERRIDES = {
+    "hidden_size": 4 * VLLM_HEAD_DIM,
+    "intermediate_size": 8 * VLLM_HEAD_DIM,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+"""The tiny language model resized for vLLM: 4 heads of `VLLM_HEAD_DIM`, the vision output to match."""
 
 PROCESSOR_CLASSES = {
     "qwen2-vl": Qwen2VLProcessor,
@@ -229,10 +242,26 @@ def build_tiny_processor(family: str):
     )
 
 
-def save_tiny_vlm(family: str, directory: str | Path, seed: int = 0) -> torch.nn.Module:
-    """Write a tiny full VLM (seeded random weights) and its processor to `directory`; return the model."""
+def vllm_tiny_preset(family: str) -> Preset:
+    """The family's tiny preset with a language model vLLM's CPU backend runs (head_dim 64; the
+    multimodal rotary sections sum to half of it); the vision tower is the tiny one, its output
+    widened to the new hidden size."""
+    preset = resolve_preset(family, "tiny")
+    rope = {**preset.text_config["rope_parameters"], "mrope_section": [8, 12, 12]}
+    text = {**preset.text_config, **VLLM_TEXT_OVERRIDES, "rope_parameters": rope}
+    if "head_dim" in text:
+        text["head_dim"] = VLLM_HEAD_DIM
+    output = "out_hidden_size" if "out_hidden_size" in preset.vision_config else "hidden_size"  # qwen2-vl: the latter
+    vision = {**preset.vision_config, output: VLLM_TEXT_OVERRIDES["hidden_size"]}
+    return replace(preset, text_config=text, vision_config=vision)
+
+
+def save_tiny_vlm(family: str, directory: str | Path, seed: int = 0, for_vllm: bool = False) -> torch.nn.Module:
+    """Write a tiny full VLM (seeded random weights) and its processor to `directory`; return the model.
+    `for_vllm`: in `vllm_tiny_preset`'s shape, which vLLM's CPU backend can serve."""
     torch.manual_seed(seed)
-    model = family_class(family).vlm_class(vlm_config("tiny", family)).eval()
+    preset = vllm_tiny_preset(family) if for_vllm else resolve_preset(family, "tiny")
+    model = family_class(family).vlm_class(vlm_config(preset)).eval()
     vision_tower = getattr(model.model, "vision_tower", None)
     if vision_tower is not None:  # InternVL: nonzero class token and position embeddings
         randomize_embeddings(vision_tower, torch.Generator().manual_seed(seed))
@@ -243,3 +272,16 @@ def save_tiny_vlm(family: str, directory: str | Path, seed: int = 0) -> torch.nn
     processor.image_processor.save_pretrained(directory)
     processor.video_processor.save_pretrained(directory)
     return model
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write a tiny full-VLM checkpoint (random weights) to a directory.")
+    parser.add_argument("family", choices=sorted(PROCESSOR_CLASSES))
+    parser.add_argument("directory")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--for-vllm", action="store_true", help="in the shape vLLM's CPU backend serves (head_dim 64)")
+    args = parser.parse_args()
+    save_tiny_vlm(args.family, args.directory, seed=args.seed, for_vllm=args.for_vllm)
+    print(f"wrote a tiny {args.family} checkpoint to {args.directory}")

@@ -79,3 +79,22 @@ def test_cudnn_attention_without_its_frontend_or_gpu_is_refused_and_auto_falls_b
         assert AttentionBackend.resolve("auto", cuda).kernel == "flash"
     with pytest.raises(ValueError, match="not one of"):
         AttentionBackend.resolve("sdpa", cuda)
+
+
+def test_the_vllm_engine_needs_a_checkpoint_on_both_sides():
+    with pytest.raises(ValidationError, match="llm.path"):
+        AppConfig.model_validate({"llm": {"engine": "vllm"}})
+    with pytest.raises(ValidationError, match="model.path"):
+        AppConfig.model_validate({"llm": {"engine": "vllm", "path": "/ckpt"}})
+    config = AppConfig.model_validate({"model": {"path": "/ckpt"}, "llm": {"engine": "vllm", "path": "/ckpt"}})
+    assert config.llm.engine == "vllm" and AppConfig.model_validate({"llm": {}}).llm.engine == "transformers"
+
+
+def test_engine_kwargs_are_vllms_only_and_leave_the_checkpoint_and_dtype_to_their_fields():
+    both = {"model": {"path": "/ckpt"}}
+    with pytest.raises(ValidationError, match="engine_kwargs"):
+        AppConfig.model_validate({**both, "llm": {"path": "/ckpt", "engine_kwargs": {"max_model_len": 4096}}})
+    with pytest.raises(ValidationError, match=r"\['dtype', 'model'\]"):
+        AppConfig.model_validate(
+            {**both, "llm": {"engine": "vllm", "path": "/ckpt", "engine_kwargs": {"model": "x", "dtype": "half"}}}
+        )

@@ -12,6 +12,7 @@ from models.presets import TINY_SPECIAL_TOKENS, TINY_TEXT_CONFIG
 from models.tiny_checkpoint import (
     BASE_VOCAB_SIZE,
     PROCESSOR_CLASSES,
+    VLLM_HEAD_DIM,
     build_tiny_processor,
     build_tiny_tokenizer,
     save_tiny_vlm,
@@ -167,3 +168,19 @@ def test_loaded_weights_equal_the_returned_model(family, checkpoints):
     loaded = AutoModelForImageTextToText.from_pretrained(directory)
     for name, tensor in saved.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_vllm_shaped_checkpoint_has_head_dim_64_and_generates_from_an_image(family, tmp_path):
+    save_tiny_vlm(family, tmp_path, for_vllm=True)
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    text = model.config.text_config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    assert head_dim == VLLM_HEAD_DIM and sum(text.rope_parameters["mrope_section"]) == head_dim // 2
+    processor = AutoProcessor.from_pretrained(tmp_path)
+    inputs = processor.apply_chat_template(
+        messages_with_images(1), add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    with torch.inference_mode():  # the tower's output width feeds the wider language model
+        output = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert output.shape[1] > inputs["input_ids"].shape[1]
