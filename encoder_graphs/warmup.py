@@ -26,7 +26,7 @@ import torch
 
 from .budgets import sample_budgets
 from .buffers import StaticBuffers
-from .entry import LIVE, PENDING, GraphEntry, GraphKey
+from .entry import DISABLED, LIVE, PENDING, GraphEntry, GraphKey
 from .preflight import check_eager, check_memory, raise_recompile_limits
 from .route_costs import attention_shapes
 from .selfcheck import best_ms, pack_error, synthetic_pixels, synthetic_specs
@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 COST_SAMPLES = 5
 """Budgets at which the routes without a graph are timed at startup (interpolated between)."""
+PROGRESS_LINES = 10
+"""Log lines the graph stage writes (one per graph refused besides)."""
 
 Progress = Callable[[str], None]
 
@@ -78,6 +80,8 @@ class WarmUp:
         """Packs served so far per graph they needed (read and written under the device lock)."""
         self._built: list[GraphEntry] = []
         """Graphs built and checked that go live only at the end (compiled forwards without graphs)."""
+        self._private_inputs: StaticBuffers | None = None
+        """Inputs the compiles run on, shaped as the table's shared ones (freed at the end)."""
 
     # ---- status ----
 
@@ -185,12 +189,15 @@ class WarmUp:
         progress(f"compiled the padded forward in {time.perf_counter() - began:.1f} s")
 
     def _warm_compiled(self, entry: GraphEntry) -> None:
-        """The compiled forward once on private inputs shaped as `entry`'s (prefix views, as the
-        shared buffers are: dynamo guards on views), outside the lock: whatever it compiles, no
-        pack waits for."""
+        """The compiled forward once on private inputs shaped as `entry`'s, outside the lock:
+        whatever it compiles, no pack waits for. Dynamo guards on a view's base (its size against
+        the view's), so the private inputs are views of bases sized as the shared buffers' are."""
         encoder = self.runner.encoder
+        if self._private_inputs is None:
+            layouts = [input_specs(encoder, e.layout) for e in self.runner.table.entries.values()]
+            self._private_inputs = StaticBuffers(layouts, encoder.device)
         specs = input_specs(encoder, entry.layout)
-        private = StaticBuffers([specs], encoder.device).views(specs)
+        private = self._private_inputs.views(specs)
         for name, host in encoder.pack_metadata([], entry.layout).items():
             private[name].copy_(host)
         with self._capturing():
@@ -200,7 +207,9 @@ class WarmUp:
         return self.runner.encoder.capturing() if self.runner.use_graphs else contextlib.nullcontext()
 
     def _build_graphs(self, progress: Progress, stop: threading.Event) -> None:
+        """Every graph in turn; the log gets a line per tenth of them and one per graph refused."""
         total = len(self.runner.table.entries)
+        every = max(1, total // PROGRESS_LINES)
         done = 0
         while not stop.is_set():
             entry = self._next_entry()
@@ -210,10 +219,14 @@ class WarmUp:
             self._build(entry)
             done += 1
             grown = self.runner.memory.graph_bytes.get(entry.key, 0) / 2**20
-            progress(
+            message = (
                 f"graph {done}/{total} {entry.state if entry.state != PENDING else 'checked'}: budget {entry.key[0]} "
                 f"tokens, max_seqlen {entry.key[1]} (+{grown:.1f} MiB, {(time.perf_counter() - began) * 1e3:.0f} ms)"
             )
+            if done % every == 0 or done == total or entry.state == DISABLED:
+                progress(message)
+            else:
+                logger.debug(message)
 
     def _next_entry(self) -> GraphEntry | None:
         """The largest graph first where graphs share a pool (it sizes the pool); then those the
@@ -297,7 +310,7 @@ class WarmUp:
         runner.io.fill(entry, pixels, metadata)
         if entry.graph is not None:
             runner.io.execute(entry)
-        else:  # may compile: CPU attention reads segment lengths on the host, and dynamo guards on them
+        else:  # the forward itself (no graph: CPU, or `cuda_graphs: false`)
             runner.io.forward_into(entry)
         deepstack = entry.outputs.get("deepstack")
         error = pack_error(
@@ -365,6 +378,7 @@ class WarmUp:
                 runner.memory.peak_allocated_bytes = torch.cuda.max_memory_allocated(runner.device)
             self.full_speed = True
             self.stage = "done"
+        self._private_inputs = None
         if runner.compile_cache is not None and runner.forwards.compiled is not None:
             runner.compile_cache.save()
 

@@ -179,9 +179,12 @@ def _(q, k, v, cu_seqlens, max_seqlen, scale):
     return torch.empty_like(q)
 
 
-def _segmented_sdpa(q, k, v, cu_seqlens, scale: float | None) -> torch.Tensor:
-    """Per-segment SDPA over `[tokens, heads, dim]` inputs (reads the lengths on the host: CPU only);
-    rows outside every segment are 0."""
+@torch.library.custom_op("vlm_encoder::segmented_sdpa", mutates_args=())
+def segmented_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Per-segment SDPA over `[tokens, heads, dim]` inputs (CPU); rows outside every segment are 0.
+    One opaque op: it reads the lengths on the host, so compiled code never guards on them."""
     out = torch.zeros_like(q)
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
@@ -190,6 +193,11 @@ def _segmented_sdpa(q, k, v, cu_seqlens, scale: float | None) -> torch.Tensor:
         seg = [t[start:end].transpose(0, 1) for t in (q, k, v)]
         out[start:end] = F.scaled_dot_product_attention(*seg, scale=scale).transpose(0, 1)
     return out
+
+
+@segmented_sdpa.register_fake
+def _(q, k, v, cu_seqlens, scale):
+    return torch.empty_like(q)
 
 
 _registered: dict[str, AttentionBackend] = {}
@@ -319,7 +327,7 @@ class AttentionBackend:
             groups = None
         if groups is None:
             if not q.is_cuda:
-                return _segmented_sdpa(q, k, v, cu_seqlens, scale)
+                return segmented_sdpa(q, k, v, cu_seqlens, scale)
             return self.varlen(q, k, v, cu_seqlens, max_seqlen, scale)
         outs, start = [], 0
         for count, length in groups:
@@ -362,7 +370,7 @@ class AttentionBackend:
         elif q.is_cuda:
             out = self.varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scaling)
         else:
-            out = _segmented_sdpa(q, k, v, cu_seq_lens_q, scaling)
+            out = segmented_sdpa(q, k, v, cu_seq_lens_q, q.shape[-1] ** -0.5 if scaling is None else scaling)
         return out.unsqueeze(0), None
 
 

@@ -15,6 +15,10 @@ from models import from_preset
 from tests.helpers import random_image, reference_item, reference_tower, relative_error
 
 
+SMALL_LADDER = GraphConfig(max_budget_tokens=512, fine_budget_steps=1)
+"""Ten graphs on CPU: few enough that the warm-up logs a line for each (its per-step hook here)."""
+
+
 @pytest.fixture(scope="module")
 def qwen3():
     encoder = from_preset("qwen3-vl-tiny", seed=4)
@@ -56,7 +60,7 @@ def test_packs_served_during_a_background_warm_up_match_transformers(qwen3):
     by one under the warm-up thread while packs keep coming: every output is transformers' own,
     and packs move to graphs as their graphs go live."""
     encoder, reference = qwen3
-    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=512))
+    runner = EncoderRunner(encoder, SMALL_LADDER)
     runner.prepare(progress=lambda message: None)
     assert runner.warmup_status().stage == "prepared" and runner.live_budgets() == ()
     log: list[str] = []
@@ -82,7 +86,7 @@ def test_packs_served_during_a_background_warm_up_match_transformers(qwen3):
 
 def test_the_graphs_the_traffic_needed_are_built_first(qwen3):
     encoder, _ = qwen3
-    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=512))
+    runner = EncoderRunner(encoder, SMALL_LADDER)
     runner.prepare(progress=lambda message: None)
     pixels, specs = images(encoder, 3, [(256, 256), (300, 200)])
     budget = runner.table.fitting_budget(sum(s.output_tokens for s in specs))
@@ -96,7 +100,7 @@ def test_the_graphs_the_traffic_needed_are_built_first(qwen3):
 
 def test_a_stopped_warm_up_leaves_a_serving_runner(qwen3):
     encoder, reference = qwen3
-    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=512))
+    runner = EncoderRunner(encoder, SMALL_LADDER)
     runner.prepare(progress=lambda message: None)
     stop = threading.Event()
 
@@ -130,4 +134,25 @@ def test_a_background_compile_never_meets_a_pack(qwen3):
     pixels, specs = packs[1]  # oversize, equal images: the compiled exact route now
     assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
     assert runner.stats.last.compiled
+    torch._dynamo.reset()
+
+
+def test_what_the_warm_up_compiles_serves_the_shared_buffers_without_recompiling(qwen3):
+    """The warm-up compiles each layout on private inputs; packs then run on the shared static
+    buffers' views. Dynamo guards on a view's base (its size against the view's), so the private
+    inputs must be views of bases sized as the shared ones, or every graph would recompile on its
+    first pack (and fall back to the uncompiled forward). Without the self-check nothing else
+    touches the shared views before the packs do."""
+    encoder, reference = qwen3
+    torch._dynamo.reset()
+    compiled = torch.compile(encoder.forward_padded, backend="eager", dynamic=True)
+    config = GraphConfig(budgets=(64, 128, 256), self_check=False, compile_exact=False)
+    runner = EncoderRunner(encoder, config, compiled_forward=compiled)
+    runner.prepare(progress=lambda message: None)
+    runner.warm_up(progress=lambda message: None)
+    for seed, sizes in enumerate([[(200, 200)], [(300, 260)], [(400, 380)]]):
+        pixels, specs = images(encoder, seed, sizes)
+        assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+        assert runner.stats.last.graph or runner.stats.last.compiled
+    assert runner.stats.recompile_fallbacks == 0
     torch._dynamo.reset()
