@@ -85,7 +85,7 @@ def load_encoder(config: AppConfig):
         encoder = from_preset(
             model.preset, family=model.family, dtype=dtype, device=model.device, attention=model.attention
         )
-    logger.info("attention kernel: %s", encoder.attention.kernel)
+    logger.info("attention: %s", encoder.compile_identity().get("attention"))
     return encoder
 
 
@@ -96,7 +96,8 @@ class EncoderReplica:
         if config.model.device == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads()))
         self.encoder = load_encoder(config)
-        logger.info("loaded %s on %s in %.1f s", self.encoder.name, self.encoder.device, time.perf_counter() - start)
+        self.loaded_s = time.perf_counter() - start
+        logger.info("loaded %s on %s in %.1f s", self.encoder.name, self.encoder.device, self.loaded_s)
         # ---- warm-up: ready after `prepare` (packs run eagerly), graphs go live in the background
         self.runner = EncoderRunner(self.encoder, config.graphs, ladder)
         self.runner.prepare(progress=logger.info)
@@ -114,6 +115,14 @@ class EncoderReplica:
         self._stop_gauges = refresh_gauges(lambda: self.metrics.queued_tokens.set(self._queued_tokens))
         self.actor_id = ray.get_runtime_context().get_actor_id()
         self.ready_s = time.perf_counter() - start
+        logger.info(
+            "encoder replica ready in %.1f s (weights %.1f s, prepare %.1f s): packs run eagerly while "
+            "%d graphs warm up in the background; the log says when it is at full speed",
+            self.ready_s,
+            self.loaded_s,
+            self.runner.warmup_status().stage_seconds.get("prepare", 0.0),
+            self.runner.warmup_status().graphs_total,
+        )
 
     async def encode_pack(self, pack: PackRequest) -> PackResult:
         self._count(queued=pack.tokens)

@@ -8,8 +8,8 @@ never start.
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import threading
 import time
 
 from ray import serve
@@ -30,8 +30,9 @@ class EncoderFleet:
         self.status = "UNKNOWN"
         self.message = ""
         self._read_at = 0.0
-        self._task: asyncio.Task | None = None
-        self._first: asyncio.Event | None = None
+        self._announced = False
+        self._first = threading.Event()
+        self._stop = threading.Event()
 
     @property
     def running(self) -> int:
@@ -53,25 +54,25 @@ class EncoderFleet:
         counts = ", ".join(f"{n} {state.lower()}" for state, n in sorted(self.states.items())) or "none"
         return f"no encoder replica is ready ({counts}; deployment {self.status}){detail}"
 
-    async def start(self) -> None:
-        """Start refreshing (once), and wait for the first reading (at most `STALE_S`)."""
-        if self._task is None:
-            self._first = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
-        if not self._first.is_set():
-            try:
-                await asyncio.wait_for(self._first.wait(), STALE_S)
-            except asyncio.TimeoutError:
-                pass
+    def start(self, first_reading_s: float = STALE_S) -> None:
+        """Refresh in a background thread; wait (at most `first_reading_s`) for the first reading."""
+        threading.Thread(target=self._refresh_forever, name="encoder-fleet", daemon=True).start()
+        self._first.wait(first_reading_s)
 
-    async def _refresh_forever(self) -> None:
-        while True:
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _refresh_forever(self) -> None:
+        while not self._stop.is_set():
             try:
-                await asyncio.wait_for(asyncio.to_thread(self._read), STALE_S)
+                self._read()
                 self._first.set()
             except Exception:  # keep the last reading; it goes stale and says so
                 logger.debug("reading Serve's status failed", exc_info=True)
-            await asyncio.sleep(REFRESH_S)
+            if self.ready and not self._announced:
+                self._announced = True
+                logger.info("service ready: %d encoder replica(s) take requests (application %r)", self.running, self.app)
+            self._stop.wait(REFRESH_S)
 
     def _read(self) -> None:
         app = serve.status().applications.get(self.app)

@@ -79,6 +79,7 @@ class EncoderRouter:
         self.family, _ = load_preprocessor(config.model.preset, config.model.family, config.model.path)
         self.ladder = ladder.budgets  # the app builder's, as every encoder replica's
         self.fleet = EncoderFleet(serve.get_replica_context().app_name)
+        self.fleet.start()
         self.queue = EncodeQueue(
             config, ladder.budgets, ladder.max_items, ladder.max_segments, encoder, self.fleet, self.metrics
         )
@@ -100,13 +101,13 @@ class EncoderRouter:
         self.metrics.cache_bytes.set(self.queue.cache.bytes)
 
     def __del__(self):
+        self.fleet.stop()
         self.intake.close()
 
     # ---- the shared path ----
 
     async def encode_raw(self, raws, use_cache: bool):
         """Decode and encode request items: (decoded items, references to their results)."""
-        await self.fleet.start()
         start = time.perf_counter()
         decoded = await self.intake.decode(raws, self.queue.check_room, "" if use_cache else None)
         self.metrics.preprocess_seconds.observe(time.perf_counter() - start)
@@ -138,7 +139,6 @@ class EncoderRouter:
     @api.get("/health")
     async def health(self) -> JSONResponse:
         """200 when a request can be served now; else 503 with the reason and Retry-After."""
-        await self.fleet.start()
         if not self.fleet.ready or self.intake.pool.alive == 0:
             reason = self.fleet.why_not_ready() if not self.fleet.ready else "no decode worker is running"
             return JSONResponse(
@@ -160,7 +160,6 @@ class EncoderRouter:
     @api.get("/v1/models/{model_id:path}")
     async def model_detail(self, model_id: str) -> Response:
         """The encoder's (or the LLM's) state: replicas, warm-up, packing, cache, decode pool."""
-        await self.fleet.start()
         detail = {}
         if model_id == self.config.model.model_id:
             detail["encoder"] = {

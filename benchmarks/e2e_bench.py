@@ -1,0 +1,592 @@
+"""End to end, as a caller sees it: the service against what a user would deploy instead.
+
+    python benchmarks/e2e_bench.py --config configs/gpu.yaml --out benchmarks/results/e2e_h100
+
+Systems (`--systems`; each saved as `<out>/e2e_<system>.json`, the report built from all there):
+- `ours`: `serve run <config>` in a separate process, as a user starts it. Records the seconds to
+  the first correct answer and to full speed (every graph live), then loads it closed-loop through
+  the handle (from this separate driver process), HTTP safetensors and HTTP JSON at each
+  concurrency, one 448x448 image at concurrency 1, and checks that handle and HTTP results agree.
+  `--restart` starts it once more (the compile cache now filled) and records the same times.
+- `batched`, `plain`: `benchmarks/baselines.py` on the same GPU (transformers' tower behind a
+  Serve deployment, with and without `@serve.batch`), through HTTP JSON and the handle.
+- `encoder`: the encoder alone in this process (the config's runner, fully warmed) on the same
+  item stream, packed by the router's packing rule: the ceiling the service is measured against.
+The workload: fixed-seed photos of common sizes 224x224 to 1920x1080 (JPEG), 1-3 per request,
+and a share of 8-frame videos (given as frames); requests opt out of the service's embedding
+cache. Prints a table, saves JSON and PNG plots (throughput against concurrency, latency CDF)
+with device, versions and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import multiprocessing
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+# `serve run` starts its cluster with token authentication unless told otherwise; the driver must
+# say so before Ray is imported, as the router's "Attach from Python" line does.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.environment import environment  # noqa: E402
+
+SIZES = [(224, 224), (448, 448), (640, 480), (800, 600), (1024, 768), (1280, 720), (1920, 1080)]
+VIDEO_SHARE = 0.1
+VIDEO_FRAMES, VIDEO_SIZE = 8, (448, 448)
+JSON = {"Content-Type": "application/json"}
+USAGE = re.compile(rb'"vision_tokens":\s*(\d+)')
+MARKERS = {
+    "ray_started_s": "Started a local Ray instance",
+    "serve_started_s": "Started Serve",
+    "encoder_ready_s": "encoder replica ready",
+    "full_speed_logged_s": "into the warm-up:",
+    "service_ready_s": "service ready",
+    "router_ready_s": "router ready",
+}
+"""Startup lines of `serve run`'s log, timed as they appear."""
+
+
+# ---- the workload ----
+
+
+def photo(rng: np.random.Generator, width: int, height: int) -> bytes:
+    """A photo-like JPEG (smooth gradients, texture, quality 90)."""
+    from PIL import Image
+
+    y = np.linspace(0, 1, height)[:, None, None]
+    x = np.linspace(0, 1, width)[None, :, None]
+    tint = rng.uniform(0, 255, (1, 1, 3))
+    base = (x * tint + y * (255 - tint)) * 0.8 + rng.normal(0, 12, (height, width, 3))
+    buffer = io.BytesIO()
+    Image.fromarray(np.clip(base, 0, 255).astype(np.uint8)).save(buffer, "JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def workload(count: int, seed: int = 0) -> list[list]:
+    """Requests: lists of items, each JPEG bytes or a list of frames (a video)."""
+    rng = np.random.default_rng(seed)
+    pool = {size: [photo(rng, *size) for _ in range(4)] for size in SIZES}
+    clips = [[photo(rng, *VIDEO_SIZE) for _ in range(VIDEO_FRAMES)] for _ in range(4)]
+    requests = []
+    for _ in range(count):
+        items = []
+        for _ in range(int(rng.integers(1, 4))):
+            if rng.random() < VIDEO_SHARE:
+                items.append(clips[int(rng.integers(0, len(clips)))])
+            else:
+                items.append(pool[SIZES[int(rng.integers(0, len(SIZES)))]][int(rng.integers(0, 4))])
+        requests.append(items)
+    return requests
+
+
+def single_images(count: int, seed: int = 1) -> list[list]:
+    """One distinct 448x448 photo per request."""
+    rng = np.random.default_rng(seed)
+    return [[photo(rng, 448, 448)] for _ in range(count)]
+
+
+def http_body(items: list, encoding_format: str, service: bool) -> bytes:
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+
+    entries = [
+        {"type": "video", "frames": [b64(f) for f in item]} if isinstance(item, list) else {"type": "image", "image": b64(item)}
+        for item in items
+    ]
+    body = {"items": entries, "encoding_format": encoding_format}
+    return json.dumps({**body, "cache": False} if service else body).encode()
+
+
+def handle_items(items: list) -> list:
+    return [{"type": "video", "frames": item} if isinstance(item, list) else item for item in items]
+
+
+# ---- load ----
+
+
+def tokens_in(body: bytes, encoding_format: str) -> int:
+    if encoding_format == "safetensors":
+        header = json.loads(body[8 : 8 + int.from_bytes(body[:8], "little")])
+        return json.loads(header["__metadata__"]["usage"])["vision_tokens"]
+    return int(USAGE.findall(body[-200:])[-1])
+
+
+async def _http_clients(url: str, bodies: list[bytes], fmt: str, concurrency: int, seconds: float, offset: int):
+    import aiohttp
+
+    samples, stop = [], time.perf_counter() + seconds
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+
+        async def client(worker: int) -> None:
+            n = worker
+            while time.perf_counter() < stop:
+                body = bodies[(offset + n) % len(bodies)]
+                start = time.perf_counter()
+                async with session.post(url, data=body, headers=JSON) as reply:
+                    data = await reply.read()
+                ok = reply.status == 200
+                samples.append((start, time.perf_counter(), tokens_in(data, fmt) if ok else 0, reply.status))
+                n += concurrency
+
+        await asyncio.gather(*(client(w) for w in range(concurrency)))
+    return samples
+
+
+def _http_process(args) -> list:
+    return asyncio.run(_http_clients(*args))
+
+
+def http_load(url: str, bodies: list[bytes], fmt: str, concurrency: int, seconds: float) -> list:
+    """Closed loop over HTTP from several client processes (one Python process cannot read the
+    responses of a fast service)."""
+    processes = min(8, concurrency)
+    shares = [concurrency // processes + (p < concurrency % processes) for p in range(processes)]
+    jobs = [(url, bodies, fmt, share, seconds, p * 7919) for p, share in enumerate(shares)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        return [sample for part in pool.map(_http_process, jobs) for sample in part]
+
+
+async def handle_load(call, requests: list[list], concurrency: int, seconds: float) -> list:
+    """`call(items) -> tokens` awaited in a closed loop by `concurrency` callers."""
+    samples, stop = [], time.perf_counter() + seconds
+
+    async def client(worker: int) -> None:
+        n = worker
+        while time.perf_counter() < stop:
+            start = time.perf_counter()
+            tokens = await call(requests[n % len(requests)])
+            samples.append((start, time.perf_counter(), tokens, 200))
+            n += concurrency
+
+    await asyncio.gather(*(client(w) for w in range(concurrency)))
+    return samples
+
+
+def summarize(samples: list, warmup_s: float) -> dict:
+    first = min(s[0] for s in samples) + warmup_s
+    kept = [s for s in samples if s[0] >= first] or samples
+    window = max(s[1] for s in kept) - min(s[0] for s in kept)
+    latencies = sorted((s[1] - s[0]) * 1e3 for s in kept)
+    return {
+        "requests": len(kept),
+        "errors": sum(1 for s in kept if s[3] != 200),
+        "tokens_per_s": round(sum(s[2] for s in kept) / window, 1),
+        "p50_ms": round(statistics.median(latencies), 2),
+        "p99_ms": round(latencies[int(0.99 * (len(latencies) - 1))], 2),
+        "latencies_ms": [round(v, 2) for v in latencies],
+    }
+
+
+SERVE_PROCESSES = ("EncoderRouter", "decode_worker", "EncoderReplica", "PlainTower", "BatchedTower", "ProxyActor")
+"""Serve replicas (process titles `ray::ServeReplica:<app>:<deployment>`) and the routers' decode
+workers (`python -m deployments.decode_worker`), whose CPU use is recorded."""
+
+
+def serve_cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of this host's Serve processes, summed per deployment."""
+    import psutil
+
+    used: dict[str, float] = {}
+    for process in psutil.process_iter(["cmdline", "cpu_times"]):
+        title = " ".join(process.info["cmdline"] or [])
+        for name in SERVE_PROCESSES:
+            if name in title and process.info["cpu_times"] is not None:
+                times = process.info["cpu_times"]
+                used[name] = used.get(name, 0.0) + times.user + times.system
+    return used
+
+
+def measure(args, name: str, interfaces: dict, requests: list[list], concurrencies: list[int]) -> dict:
+    """`interfaces`: name -> ("http", url, format) or ("handle", call). Each point records the
+    cores the Serve processes used during it (is the router the limit?)."""
+    rows: dict = {}
+    for interface, how in interfaces.items():
+        bodies = [http_body(r, how[2], name == "ours") for r in requests] if how[0] == "http" else None
+        for concurrency in concurrencies:
+            seconds = args.seconds + args.warmup
+            cpu_before, began = serve_cpu_seconds(), time.perf_counter()
+            if how[0] == "http":
+                samples = http_load(how[1], bodies, how[2], concurrency, seconds)
+            else:
+                samples = asyncio.run(handle_load(how[1], requests, concurrency, seconds))
+            elapsed, cpu_after = time.perf_counter() - began, serve_cpu_seconds()
+            row = rows.setdefault(interface, {})[str(concurrency)] = summarize(samples, args.warmup)
+            row["cores_used"] = {k: round((v - cpu_before.get(k, 0.0)) / elapsed, 2) for k, v in cpu_after.items()}
+            print(
+                f"{name:8s} {interface:12s} c={concurrency:3d} {row['tokens_per_s']:10.0f} tok/s  "
+                f"p50 {row['p50_ms']:8.1f} ms  p99 {row['p99_ms']:8.1f} ms  errors {row['errors']}  "
+                f"cores {row['cores_used']}",
+                flush=True,
+            )
+    return rows
+
+
+# ---- the service ----
+
+
+class ServeRun:
+    """`serve run <config>` in its own process group; startup lines timed as they appear."""
+
+    def __init__(self, config: Path, log: Path):
+        self.log, self.started = log, time.monotonic()
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "ray.serve.scripts", "run", str(config)],  # `serve run`
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        self.seen: dict[str, float] = {}
+        self.address: str | None = None
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.1):
+            text = self.log.read_text(errors="replace")
+            for key, marker in MARKERS.items():
+                if key not in self.seen and marker in text:
+                    self.seen[key] = round(time.monotonic() - self.started, 1)
+            found = re.search(r"RAY_ADDRESS=(\S+) python", text)
+            if found:
+                self.address = found.group(1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)
+            self.process.wait(180)
+
+
+def first_answer(url: str, body: bytes, timeout_s: float) -> float:
+    import httpx
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        try:
+            reply = httpx.post(url + "/v1/encode", content=body, headers=JSON, timeout=30)
+        except httpx.HTTPError:
+            reply = None
+        if reply is not None and reply.status_code == 200:
+            return time.monotonic()
+        if reply is not None and 400 <= reply.status_code < 500 and reply.status_code != 404:
+            raise RuntimeError(f"the probe request was refused: {reply.status_code} {reply.text[:300]}")
+        time.sleep(0.25)
+    raise TimeoutError(f"no 200 from {url} within {timeout_s} s")
+
+
+def full_speed(url: str, model_id: str, timeout_s: float) -> tuple[float, dict]:
+    import httpx
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        try:
+            replica = httpx.get(f"{url}/v1/models/{model_id}", timeout=10).json()["encoder"]["replica"]
+            if replica.get("warmup", {}).get("full_speed"):
+                return time.monotonic(), replica["warmup"]
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"not at full speed within {timeout_s} s")
+
+
+def start_service(args, out: Path, tag: str) -> tuple[ServeRun, dict]:
+    from deployments.config import AppConfig
+
+    app = yaml.safe_load(args.config.read_text())["applications"][0]
+    config = yaml.safe_load(args.config.read_text())
+    url = f"http://127.0.0.1:{config.get('http_options', {}).get('port', 8000)}"
+    service = ServeRun(args.config, out / f"serve_run_{tag}.log")
+    probe = http_body(single_images(1, seed=99)[0], "safetensors", True)
+    try:
+        answered = first_answer(url, probe, args.startup_timeout)
+        model_id = AppConfig.model_validate(app.get("args", {})).model.model_id
+        fast, warmup = full_speed(url, model_id, args.startup_timeout)
+    except BaseException:
+        service.stop()
+        raise
+    startup = {
+        "first_200_s": round(answered - service.started, 1),
+        "full_speed_s": round(fast - service.started, 1),
+        **service.seen,
+        "replica_warmup": warmup,
+    }
+    print(f"startup ({tag}): {json.dumps({k: v for k, v in startup.items() if k != 'replica_warmup'})}", flush=True)
+    return service, {"url": url, "app": app["name"], **startup}
+
+
+def compare_handle_and_http(handle, url: str, requests: list[list]) -> float:
+    """Largest relative error between an item's handle result and its HTTP safetensors result."""
+    import httpx
+    import torch
+    from safetensors.torch import load
+
+    worst = 0.0
+    for items in requests:
+        results = handle.encode.remote(handle_items(items), cache=False).result()
+        body = httpx.post(url + "/v1/encode", content=http_body(items, "safetensors", True), headers=JSON, timeout=120)
+        body.raise_for_status()
+        body = body.content
+        tensors = load(body)
+        for result in results:
+            http = tensors[f"{result.index}.embedding"].float()
+            ours = result.embedding.float()
+            worst = max(worst, ((ours - http).abs().max() / http.abs().max().clamp_min(1e-6)).item())
+    return worst if torch.isfinite(torch.tensor(worst)) else float("inf")
+
+
+def run_ours(args, requests: list[list]) -> dict:
+    import ray
+    from ray import serve
+
+    service, startup = start_service(args, args.out, "cold")
+    record = {"startup": {"cold": startup}}
+    try:
+        ray.init(address=service.address, log_to_driver=False)
+        handle = serve.get_app_handle(startup["app"])
+
+        async def call(items: list) -> int:
+            results = await handle.encode.remote(handle_items(items), cache=False)
+            await asyncio.gather(*(r.fetch() for r in results))
+            return sum(int(r.embedding.shape[0]) for r in results)
+
+        url = startup["url"]
+        interfaces = {
+            "handle": ("handle", call),
+            "safetensors": ("http", url + "/v1/encode", "safetensors"),
+            "json": ("http", url + "/v1/encode", "base64"),
+        }
+        if args.single:
+            single = {k: interfaces[k] for k in ("handle", "safetensors")}
+            record["single_448"] = measure(args, "ours", single, single_images(args.single), [1])
+        chosen = {k: interfaces[k] for k in args.interfaces.split(",")}
+        record["mixed"] = measure(args, "ours", chosen, requests, args.concurrency)
+        record["handle_vs_http_max_rel_error"] = compare_handle_and_http(handle, url, requests[:16])
+        import httpx
+
+        model_id = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]][0]
+        detail = httpx.get(f"{url}/v1/models/{model_id}", timeout=30).json()["encoder"]
+        record["router"], record["replica"] = detail["router"], detail["replica"]
+    finally:
+        ray.shutdown()
+        service.stop()
+    if args.restart:
+        service, record["startup"]["warm_cache"] = start_service(args, args.out, "warm_cache")
+        service.stop()
+    return record
+
+
+def fixed_replicas(config: Path, replicas: int, out: Path) -> Path:
+    """A copy of a Serve config with `replicas` encoder replicas and no autoscaling (saved beside
+    the results, so the run can be repeated)."""
+    document = yaml.safe_load(config.read_text())
+    for app in document["applications"]:
+        for deployment in app.get("deployments", []):
+            if deployment["name"] == "EncoderReplica":
+                deployment.pop("autoscaling_config", None)
+                deployment["num_replicas"] = replicas
+    path = out / f"{config.stem}_{replicas}_replicas.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
+# ---- baselines and the encoder alone ----
+
+
+def model_args(args) -> dict:
+    return yaml.safe_load(args.config.read_text())["applications"][0]["args"]
+
+
+def run_baseline(args, name: str, requests: list[list]) -> dict:
+    import ray
+    from ray import serve
+
+    from benchmarks.baselines import BatchedTower, PlainTower
+    from deployments.config import AppConfig
+
+    model = AppConfig.model_validate(model_args(args)).model
+    deployment = {"batched": BatchedTower, "plain": PlainTower}[name]
+    ray.init(log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.baseline_port})
+    try:
+        gpus = {"num_gpus": 1 if model.device == "cuda" else 0}
+        dtype = "bfloat16" if model.dtype == "auto" and model.device == "cuda" else model.dtype.replace("auto", "float32")
+        app = deployment.options(ray_actor_options=gpus).bind(model.model_id, dtype, model.device)
+        handle = serve.run(app, name=name, route_prefix=f"/{name}")
+
+        async def call(items: list) -> int:
+            return sum(int(o.tokens.shape[0]) for o in await handle.encode.remote(items))
+
+        url = f"http://127.0.0.1:{args.baseline_port}/{name}"
+        interfaces = {"handle": ("handle", call), "json": ("http", url, "base64")}
+        return {"mixed": measure(args, name, interfaces, requests, args.concurrency)}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def run_encoder(args, requests: list[list]) -> dict:
+    """The config's runner here, fully warmed, on the workload's items packed by the router's rule."""
+    import torch
+
+    from deployments.app import deployment_ladder
+    from deployments.config import AppConfig
+    from deployments.encoder import load_encoder
+    from encoder_graphs.packing import PackItem, pack_items
+    from encoder_graphs.runner import EncoderRunner
+    from PIL import Image
+
+    config = AppConfig.model_validate(model_args(args))
+    encoder = load_encoder(config)
+    ladder = deployment_ladder(config)
+    runner = EncoderRunner(encoder, config.graphs, ladder)
+    start = time.perf_counter()
+    runner.prepare(progress=lambda m: None)
+    runner.warm_up(progress=lambda m: None)
+    warm_s = time.perf_counter() - start
+    pre, items = encoder.preprocessor, []
+    for request in requests:
+        for item in request:
+            frames = item if isinstance(item, list) else [item]
+            arrays = [torch.from_numpy(np.asarray(Image.open(io.BytesIO(f)).convert("RGB"))).permute(2, 0, 1) for f in frames]
+            if isinstance(item, list):
+                pixels = pre.resize_video(torch.stack(arrays))
+                spec = pre.spec("video", len(frames), *pixels.shape[-2:])
+            else:
+                pixels = pre.resize_image(arrays[0].contiguous())
+                spec = pre.spec("image", 1, *pixels.shape[-2:])
+            items.append((pixels, spec))
+    queue = [PackItem(i, spec.modality, spec.output_tokens, spec.grid_thw[0]) for i, (_, spec) in enumerate(items)]
+    packs = pack_items(queue, ladder.budgets, ladder.max_items, ladder.max_segments)
+
+    def run_all() -> tuple[int, float]:
+        torch.cuda.synchronize() if encoder.device.type == "cuda" else None
+        begin, tokens = time.perf_counter(), 0
+        for pack in packs:
+            chosen = [items[p.key] for p in pack.items]
+            values = pre.pixel_values([c[0] for c in chosen], pack.modality, device=encoder.device)
+            runner.run(values.to(encoder.dtype), [c[1] for c in chosen], output_device="cpu")
+            tokens += pack.tokens
+        return tokens, time.perf_counter() - begin
+
+    run_all()  # every pack seen once: what a recurring pack would be on the service after a while
+    tokens, seconds = run_all()
+    return {"warm_up_s": round(warm_s, 1), "packs": len(packs), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
+
+
+# ---- report ----
+
+
+def load_runs(out: Path) -> dict:
+    return {p.stem.removeprefix("e2e_"): json.loads(p.read_text()) for p in sorted(out.glob("e2e_*.json"))}
+
+
+def plot(runs: dict, out: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("no plots: pip install matplotlib (the `bench` extra)")
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for name, run in runs.items():
+        for interface, points in run.get("mixed", {}).items():
+            levels = sorted(points, key=int)
+            left.plot([int(c) for c in levels], [points[c]["tokens_per_s"] for c in levels], marker="o",
+                      label=f"{name} {interface}")
+            top = points[levels[-1]]["latencies_ms"]
+            right.plot(top, np.linspace(0, 1, len(top)), label=f"{name} {interface} c={levels[-1]}")
+    if "encoder" in runs:
+        left.axhline(runs["encoder"]["tokens_per_s"], color="black", linestyle="--", label="encoder alone")
+    left.set(xlabel="concurrent callers", ylabel="vision tokens / s", xscale="log", yscale="log", title="throughput")
+    right.set(xlabel="latency (ms)", ylabel="fraction of requests", xscale="log", title="latency CDF, highest concurrency")
+    left.legend(fontsize=7)
+    right.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(out / "e2e.png", dpi=110)
+
+
+def table(runs: dict) -> str:
+    levels = sorted({c for run in runs.values() for p in run.get("mixed", {}).values() for c in p}, key=int)
+    lines = [f"{name}: {run['environment']}" for name, run in runs.items() if "environment" in run]
+    lines += ["", "| system | interface | " + " | ".join(f"c={c}: tok/s (p50 ms)" for c in levels) + " |",
+              "|---|---|" + "---|" * len(levels)]
+    for name, run in runs.items():
+        for interface, points in run.get("mixed", {}).items():
+            cells = [f"{points[c]['tokens_per_s']:.0f} ({points[c]['p50_ms']:.0f})" if c in points else "" for c in levels]
+            lines.append(f"| {name} | {interface} | " + " | ".join(cells) + " |")
+    if "encoder" in runs:
+        lines.append(f"| encoder alone | same items, router's packing | {runs['encoder']['tokens_per_s']:.0f} |" + " |" * (len(levels) - 1))
+    ours = runs.get("ours", {})
+    for interface, points in ours.get("single_448", {}).items():
+        lines.append(f"\nOne 448x448 image, concurrency 1, {interface}: p50 {points['1']['p50_ms']:.1f} ms, "
+                     f"p99 {points['1']['p99_ms']:.1f} ms")
+    for tag, startup in ours.get("startup", {}).items():
+        shown = {k: v for k, v in startup.items() if k.endswith("_s")}
+        lines.append(f"\nStartup ({tag}): {shown}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=ROOT / "configs/gpu.yaml")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/e2e")
+    parser.add_argument("--systems", default="ours,batched,plain,encoder")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--seconds", type=float, default=8.0, help="measured window per point (after --warmup)")
+    parser.add_argument("--warmup", type=float, default=1.5)
+    parser.add_argument("--requests", type=int, default=256, help="distinct requests in the workload")
+    parser.add_argument("--restart", action="store_true", help="ours: start again with the filled compile cache")
+    parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("--baseline-port", type=int, default=8011)
+    parser.add_argument("--report", action="store_true", help="only rebuild the table and plot from <out>")
+    parser.add_argument("--interfaces", default="handle,safetensors,json", help="ours: interfaces of the mixed load")
+    parser.add_argument("--single", type=int, default=256, help="ours: distinct 448x448 images at concurrency 1 (0: skip)")
+    parser.add_argument("--replicas", type=int, help="ours: this many encoder replicas, autoscaling off")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.replicas:
+        args.config = fixed_replicas(args.config, args.replicas, args.out)
+    if not args.report:
+        requests = workload(args.requests)
+        for system in args.systems.split(","):
+            if system == "ours":
+                record = run_ours(args, requests)
+            elif system == "encoder":
+                record = run_encoder(args, requests)
+            else:
+                record = run_baseline(args, system, requests)
+            record = {"environment": environment(), "config": str(args.config), **record}
+            (args.out / f"e2e_{system}.json").write_text(json.dumps(record, indent=1))
+    runs = load_runs(args.out)
+    plot(runs, args.out)
+    report = table(runs)
+    (args.out / "e2e.md").write_text(report + "\n")
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
