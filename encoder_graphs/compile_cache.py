@@ -78,7 +78,7 @@ class CompileCache:
     """One key's directory under a compile cache root."""
 
     def __init__(self, root: str | os.PathLike, key: str):
-        self.path = Path(root) / key
+        self.path = Path(root).expanduser() / key
         self._misses_at_load: int | None = None
 
     @property
