@@ -1,5 +1,9 @@
 """A pool of decode worker processes: untrusted media is parsed there, each job under a time limit.
 
+The workers are forked from one template process (`Template`) that imported the libraries and
+built the preprocessor once: a worker starts, or is replaced, in milliseconds, and shares the
+template's memory.
+
 Jobs wait ordered by deadline (arrival + estimated cost), so a small image does not wait
 long behind a queue of large videos, and nothing starves. A job that runs past its time
 limit has its worker killed and replaced, and its item fails with 413; a worker that dies
@@ -10,15 +14,20 @@ jobs: `run` raises `Overloaded` at once, before anything is queued.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
 
 from .decode_worker import WorkerSetup
@@ -35,38 +44,84 @@ take the pool's reserved worker, so small items keep moving while large ones hol
 SMALL_BYTES = 2 << 20
 
 
+FORK_TIMEOUT_S = 10.0
+"""Longest the template may take to fork a worker."""
+
+
 class WorkerTimeout(Exception):
     pass
 
 
-class Worker:
-    """One decode process (`python -m deployments.decode_worker`) and its two pipes; `call`
-    blocks (run it in a thread). A plain subprocess, not multiprocessing: that would re-import
-    the parent's main module (a Ray worker's) in the child."""
+class Template:
+    """The process the workers are forked from (`python -m deployments.decode_worker <fd>`), with
+    its control socket: the setup goes in once, then pipe ends go in (SCM_RIGHTS) and pids come
+    out. A plain subprocess, not multiprocessing, which would re-import the parent's main module
+    (a Ray worker's) in the child."""
 
-    def __init__(self, setup: WorkerSetup, start_timeout_s: float, small_only: bool = False):
-        self.small_only = small_only
-        jobs_read, jobs_write = os.pipe()
-        answers_read, answers_write = os.pipe()
+    def __init__(self, setup: WorkerSetup, start_timeout_s: float):
+        ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "deployments.decode_worker", str(jobs_read), str(answers_write)],
-            pass_fds=(jobs_read, answers_write),
+            [sys.executable, "-m", "deployments.decode_worker", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
             env=env,
         )
-        os.close(jobs_read)
-        os.close(answers_write)
+        theirs.close()
+        self.sock = ours
+        self.control = Connection(os.dup(ours.fileno()))
+        self._lock = threading.Lock()
+        self.control.send(setup)
+        if not self.control.poll(start_timeout_s):
+            self.close()
+            raise RuntimeError(f"decode worker template did not start within {start_timeout_s} s")
+        ok, detail = self.control.recv()
+        if not ok:
+            self.close()
+            raise RuntimeError(f"decode worker template failed to start: {detail}")
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def fork(self, jobs_read: int, answers_write: int) -> int:
+        """A new worker reading jobs from `jobs_read` and answering on `answers_write`; its pid."""
+        with self._lock:
+            reduction.sendfds(self.sock, [jobs_read, answers_write])
+            if not self.control.poll(FORK_TIMEOUT_S):
+                raise RuntimeError(f"decode worker template did not fork within {FORK_TIMEOUT_S} s")
+            return self.control.recv()
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=5)
+        self.control.close()
+        self.sock.close()
+
+
+class Worker:
+    """One decode process forked from the template, and its two pipes; `call` blocks (run it in a
+    thread)."""
+
+    def __init__(self, template: Template, start_timeout_s: float, small_only: bool = False):
+        self.small_only = small_only
+        jobs_read, jobs_write = os.pipe()
+        answers_read, answers_write = os.pipe()
         self.jobs = Connection(jobs_write, readable=False)
         self.answers = Connection(answers_read, writable=False)
-        self.jobs.send(setup)
+        self.pid: int | None = None
+        try:
+            self.pid = template.fork(jobs_read, answers_write)
+        except Exception:
+            self.kill()
+            raise
+        finally:
+            os.close(jobs_read)
+            os.close(answers_write)
         if not self.answers.poll(start_timeout_s):
             self.kill()
             raise RuntimeError(f"decode worker did not start within {start_timeout_s} s")
-        ok, detail = self.answers.recv()
-        if not ok:
-            self.kill()
-            raise RuntimeError(f"decode worker failed to start: {detail}")
+        self.answers.recv()
 
     def call(self, name: str, args: tuple, timeout_s: float):
         self.jobs.send((name, args))
@@ -75,8 +130,9 @@ class Worker:
         return self.answers.recv()
 
     def kill(self) -> None:
-        self.process.kill()
-        self.process.wait(timeout=5)
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
         self.jobs.close()
         self.answers.close()
 
@@ -98,6 +154,7 @@ class PoolStats:
     timeouts: int = 0
     crashes: int = 0
     refused: int = 0
+    template_restarts: int = 0
 
 
 class DecodePool:
@@ -118,16 +175,25 @@ class DecodePool:
         self._pending: list[_Job] = []
         self._seq = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._template: Template | None = None
+        self._template_lock = threading.Lock()
 
     def start(self) -> None:
-        """Start every worker (blocking; the router's constructor calls it)."""
+        """Start the template, then fork every worker (blocking; the router's constructor calls it)."""
+        self._template = Template(self.setup, self.start_timeout_s)
         lanes = [False] * (self.size - 1) + [True]
-        with ThreadPoolExecutor(self.size) as starting:
-            self._idle.extend(starting.map(self._new_worker, lanes))
+        self._idle.extend(self._new_worker(small_only) for small_only in lanes)
         self._alive = len(self._idle)
 
     def _new_worker(self, small_only: bool) -> Worker:
-        return Worker(self.setup, self.start_timeout_s, small_only)
+        with self._template_lock:
+            if not self._template.alive:  # killed or crashed: the workers it forked run on
+                logger.warning("the decode worker template exited; starting a new one")
+                self._template.close()
+                self._template = Template(self.setup, self.start_timeout_s)
+                self.stats.template_restarts += 1
+            template = self._template
+        return Worker(template, self.start_timeout_s, small_only)
 
     @property
     def queued(self) -> int:
@@ -229,10 +295,14 @@ class DecodePool:
             "timeouts": self.stats.timeouts,
             "crashes": self.stats.crashes,
             "refused": self.stats.refused,
+            "template_restarts": self.stats.template_restarts,
+            "template_pid": None if self._template is None else self._template.process.pid,
         }
 
     def close(self) -> None:
         for worker in self._idle:
             worker.kill()
         self._idle.clear()
+        if self._template is not None:
+            self._template.close()
         self._threads.shutdown(wait=False, cancel_futures=True)

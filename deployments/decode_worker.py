@@ -1,7 +1,8 @@
-"""The decode worker process: runs `media.inspect` and `media.decode` jobs sent by the router.
+"""The decode worker processes: run `media.inspect` and `media.decode` jobs sent by the router.
 
-A worker answers one job at a time over its pipe: `(True, result)` or `(False, RequestError)`.
-Results carry pixels as numpy arrays, not tensors, so they cross the pipe as plain bytes
+One template process per pool imports the libraries and builds the preprocessor; each worker is
+forked from it (`template`). A worker answers one job at a time over its pipe: `(True, result)`
+or `(False, RequestError)`. Results carry pixels as numpy arrays, not tensors, so they cross the pipe as plain bytes
 (torch would hand tensors over through shared-memory file descriptors). Any failure on an
 item's bytes is that item's 400; the worker itself stays up. A worker that a job crashed or
 that ran past its time limit is replaced by the pool.
@@ -10,8 +11,12 @@ that ran past its time limit is replaced by the pool.
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import socket
 import sys
 from dataclasses import dataclass
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -82,13 +87,8 @@ def _answer(state: WorkerState, name: str, args: tuple) -> tuple[bool, object]:
         return False, item_error(index, 400, "cannot be decoded")
 
 
-def serve(jobs: Connection, answers: Connection) -> None:
-    """Read the setup, build state, say ready, answer jobs until the router closes the pipe."""
-    try:
-        state = build_state(jobs.recv())
-    except Exception as error:  # the router logs it and fails its start
-        answers.send((False, repr(error)))
-        return
+def serve(state: WorkerState, jobs: Connection, answers: Connection) -> None:
+    """Say ready, then answer jobs until the router closes the pipe."""
     answers.send((True, "ready"))
     while True:
         try:
@@ -98,15 +98,47 @@ def serve(jobs: Connection, answers: Connection) -> None:
         answers.send(_answer(state, name, args))
 
 
+def template(control_fd: int) -> None:
+    """Import everything and build the state once, then fork a worker for each pair of pipe ends
+    the pool sends over the control socket: a worker starts in milliseconds and shares the
+    template's memory instead of importing torch and transformers again."""
+    sock = socket.socket(fileno=control_fd)
+    control = Connection(os.dup(control_fd))
+    try:
+        state = build_state(control.recv())
+    except Exception as error:  # the router logs it and fails its start
+        control.send((False, repr(error)))
+        return
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the workers
+    control.send((True, "ready"))
+    while True:
+        try:
+            jobs_fd, answers_fd = reduction.recvfds(sock, 2)
+        except (EOFError, OSError, RuntimeError):  # the router went away
+            return
+        pid = os.fork()
+        if pid == 0:  # the worker: nothing of the template but its state
+            sock.close()
+            control.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            try:
+                serve(state, Connection(jobs_fd, writable=False), Connection(answers_fd, readable=False))
+            finally:
+                os._exit(0)
+        os.close(jobs_fd)
+        os.close(answers_fd)
+        control.send(pid)
+
+
 def main(argv: list[str]) -> None:
     import torch
 
-    torch.set_num_threads(1)  # one job at a time, one core's worth
+    torch.set_num_threads(1)  # one job at a time per worker, one core's worth
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    serve(Connection(int(argv[1]), writable=False), Connection(int(argv[2]), readable=False))
+    template(int(argv[1]))
 
 
-if __name__ == "__main__":  # python -m deployments.decode_worker <jobs fd> <answers fd>
+if __name__ == "__main__":  # python -m deployments.decode_worker <control socket fd>
     # Run the imported module's copy, so that what it pickles names `deployments.decode_worker`.
     from deployments.decode_worker import main as module_main
 
