@@ -8,6 +8,7 @@ override them in the YAML's `deployments:` section, as for any Ray Serve applica
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -221,3 +222,33 @@ class AppConfig(_Strict):
                     "the LLM must take the encoder's embeddings: use the same family"
                 )
         return self
+
+
+def reference_markdown() -> str:
+    """Every key of `AppConfig` with its default and description, as a Markdown table (the
+    README's configuration reference; a test keeps the two equal)."""
+    schema = AppConfig.model_json_schema()
+    rows = ["| key | default | description |", "|---|---|---|"]
+    for section, field in AppConfig.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        instance = LLMSettings() if default is None else default  # llm: null unless set; its keys' defaults
+        section_default = "`null`" if default is None else ""
+        rows.append(f"| **`{section}`** | {section_default} | {_cell(schema['properties'][section]['description'])} |")
+        for key, prop in schema["$defs"][type(instance).__name__]["properties"].items():
+            value = getattr(instance, key)
+            rows.append(f"| `{section}.{key}` | `{_default(value)}` | {_cell(prop.get('description', ''))} |")
+    return "\n".join(rows)
+
+
+def _default(value: Any) -> str:
+    if isinstance(value, tuple):
+        value = list(value)
+    return json.dumps(value) if value is not None else "null"
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+if __name__ == "__main__":
+    print(reference_markdown())

@@ -57,7 +57,7 @@ def attach_hint(app_name: str) -> str:
 
     env = "RAY_AUTH_MODE=token " if is_token_auth_enabled() else ""
     address = ray.get_runtime_context().gcs_address
-    return f"{env}RAY_ADDRESS={address} python, then ray.init(address='auto'); serve.get_app_handle({app_name!r})"
+    return f"{env}RAY_ADDRESS={address} python, then ray.init(); serve.get_app_handle({app_name!r})"
 
 
 DESCRIBE_TIMEOUT_S = 2.0
