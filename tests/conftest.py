@@ -31,3 +31,21 @@ def serve_harness():
 
     serve.shutdown()
     ray.shutdown()
+
+
+SHARED_APPS = {"encoder"}
+"""Applications many test modules use as is (`configs/local.yaml`): kept for the whole session."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _remove_module_apps():
+    """Delete the applications a test module deployed once it is done: a session that kept every
+    one alive (each is a router, its decode workers and replicas) filled the 24 GB CI machine."""
+    from tests.serve_harness import ServeHarness
+
+    before = set(ServeHarness.current.apps) if ServeHarness.current else set()
+    yield
+    harness = ServeHarness.current
+    if harness is not None:
+        for name in set(harness.apps) - before - SHARED_APPS:
+            harness.remove(name)

@@ -30,6 +30,9 @@ def free_port() -> int:
 
 
 class ServeHarness:
+    current: ServeHarness | None = None
+    """The session's harness once a test has asked for it."""
+
     def __init__(self, num_cpus: int | None = 4, deploy_timeout_s: float = 180):
         """`num_cpus`: logical CPUs of the local cluster (tests use 4 with `num_cpus: 0` replicas;
         None lets Ray count the machine's cores, as on a GPU host). `deploy_timeout_s`: how long
@@ -48,6 +51,7 @@ class ServeHarness:
         self.http_options = {"host": "127.0.0.1", "port": self.port}
         self.client = serve_api.serve_start(http_options=self.http_options, proxy_location="HeadOnly")
         self.apps: dict[str, ServeApplicationSchema] = {}
+        ServeHarness.current = self
 
     @property
     def base_url(self) -> str:
