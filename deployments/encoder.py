@@ -112,7 +112,7 @@ class EncoderReplica:
         self.metrics = EncoderMetrics()
         self._queued_tokens = 0
         self._inflight_tokens = 0
-        self._stop_gauges = refresh_gauges(lambda: self.metrics.queued_tokens.set(self._queued_tokens))
+        self._stop_gauges = refresh_gauges(self._set_gauges)
         self.actor_id = ray.get_runtime_context().get_actor_id()
         self.ready_s = time.perf_counter() - start
         logger.info(
@@ -123,6 +123,12 @@ class EncoderReplica:
             self.runner.warmup_status().stage_seconds.get("prepare", 0.0),
             self.runner.warmup_status().graphs_total,
         )
+
+    def _set_gauges(self) -> None:
+        status = self.runner.warmup_status()
+        self.metrics.queued_tokens.set(self._queued_tokens)
+        self.metrics.graphs_live.set(status.graphs_live)
+        self.metrics.full_speed.set(1 if status.full_speed else 0)
 
     async def encode_pack(self, pack: PackRequest) -> PackResult:
         self._count(queued=pack.tokens)

@@ -71,7 +71,9 @@ class EncoderFleet:
                 logger.debug("reading Serve's status failed", exc_info=True)
             if self.ready and not self._announced:
                 self._announced = True
-                logger.info("service ready: %d encoder replica(s) take requests (application %r)", self.running, self.app)
+                logger.info(
+                    "service ready: %d encoder replica(s) take requests (application %r)", self.running, self.app
+                )
             self._stop.wait(REFRESH_S)
 
     def _read(self) -> None:

@@ -84,6 +84,13 @@ class EncoderMetrics:
             tag_keys=("reason", "compiled"),
         )
         self.padded_tokens = Counter("vlm_encoder_padded_tokens", description="Padding tokens computed by graphs.")
+        self.graphs_live = Gauge(
+            "vlm_encoder_graphs_live", description="Graphs serving packs (the warm-up's progress)."
+        )
+        self.full_speed = Gauge(
+            "vlm_encoder_full_speed",
+            description="1 once the warm-up has finished (every graph and route live), else 0.",
+        )
         self.computed_tokens = Counter(
             "vlm_encoder_computed_tokens",
             description="Tokens computed by graphs (real + padding); waste = padded/computed.",

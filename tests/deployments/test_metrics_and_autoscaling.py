@@ -46,7 +46,13 @@ def test_every_metric_reports_sensible_values_after_a_known_workload(serve_harne
         assert client.post(url + "/v1/encode", json={"items": [{"type": "image", "image": "%%%"}]}).status_code == 400
         assert client.post(url + "/v1/encode", json={"items": "not a list"}).status_code == 400
     idle_since = time.monotonic()
-    gauges = ("ray_vlm_router_queued_tokens", "ray_vlm_encoder_queued_tokens", "ray_vlm_router_cache_bytes")
+    gauges = (
+        "ray_vlm_router_queued_tokens",
+        "ray_vlm_encoder_queued_tokens",
+        "ray_vlm_router_cache_bytes",
+        "ray_vlm_encoder_graphs_live",
+        "ray_vlm_encoder_full_speed",
+    )
     deadline, after = time.monotonic() + 60, before
     while time.monotonic() < deadline:
         # Ray's agent exports each metric on its own schedule: wait for the last counters and for
@@ -78,6 +84,8 @@ def test_every_metric_reports_sensible_values_after_a_known_workload(serve_harne
     )
     assert grew("ray_vlm_encoder_eager_fallbacks_total", 'reason="oversize"')
     assert grew("ray_vlm_encoder_computed_tokens_total")
+    # the warm-up's progress: this replica served from a live graph, so it is at full speed
+    assert total(after, "ray_vlm_encoder_graphs_live") > 0 and total(after, "ray_vlm_encoder_full_speed") >= 1
     assert total(after, "ray_vlm_encoder_padded_tokens_total") <= total(after, "ray_vlm_encoder_computed_tokens_total")
     assert grew("ray_vlm_encoder_forward_seconds_count") and grew("ray_vlm_encoder_queue_seconds_count")
     assert grew("ray_vlm_router_preprocess_seconds_count", by=3) and grew("ray_vlm_router_transfer_seconds_count")
