@@ -107,7 +107,9 @@ def http_body(items: list, encoding_format: str, service: bool) -> bytes:
         return base64.b64encode(data).decode()
 
     entries = [
-        {"type": "video", "frames": [b64(f) for f in item]} if isinstance(item, list) else {"type": "image", "image": b64(item)}
+        {"type": "video", "frames": [b64(f) for f in item]}
+        if isinstance(item, list)
+        else {"type": "image", "image": b64(item)}
         for item in items
     ]
     body = {"items": entries, "encoding_format": encoding_format}
@@ -430,7 +432,9 @@ def run_baseline(args, name: str, requests: list[list]) -> dict:
     serve.start(http_options={"host": "127.0.0.1", "port": args.baseline_port})
     try:
         gpus = {"num_gpus": 1 if model.device == "cuda" else 0}
-        dtype = "bfloat16" if model.dtype == "auto" and model.device == "cuda" else model.dtype.replace("auto", "float32")
+        dtype = (
+            "bfloat16" if model.dtype == "auto" and model.device == "cuda" else model.dtype.replace("auto", "float32")
+        )
         app = deployment.options(ray_actor_options=gpus).bind(model.model_id, dtype, model.device)
         handle = serve.run(app, name=name, route_prefix=f"/{name}")
 
@@ -448,13 +452,13 @@ def run_baseline(args, name: str, requests: list[list]) -> dict:
 def run_encoder(args, requests: list[list]) -> dict:
     """The config's runner here, fully warmed, on the workload's items packed by the router's rule."""
     import torch
+    from PIL import Image
 
     from deployments.app import deployment_ladder
     from deployments.config import AppConfig
     from deployments.encoder import load_encoder
     from encoder_graphs.packing import PackItem, pack_items
     from encoder_graphs.runner import EncoderRunner
-    from PIL import Image
 
     config = AppConfig.model_validate(model_args(args))
     encoder = load_encoder(config)
@@ -468,7 +472,9 @@ def run_encoder(args, requests: list[list]) -> dict:
     for request in requests:
         for item in request:
             frames = item if isinstance(item, list) else [item]
-            arrays = [torch.from_numpy(np.asarray(Image.open(io.BytesIO(f)).convert("RGB"))).permute(2, 0, 1) for f in frames]
+            arrays = [
+                torch.from_numpy(np.asarray(Image.open(io.BytesIO(f)).convert("RGB"))).permute(2, 0, 1) for f in frames
+            ]
             if isinstance(item, list):
                 pixels = pre.resize_video(torch.stack(arrays))
                 spec = pre.spec("video", len(frames), *pixels.shape[-2:])
@@ -491,7 +497,12 @@ def run_encoder(args, requests: list[list]) -> dict:
 
     run_all()  # every pack seen once: what a recurring pack would be on the service after a while
     tokens, seconds = run_all()
-    return {"warm_up_s": round(warm_s, 1), "packs": len(packs), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
+    return {
+        "warm_up_s": round(warm_s, 1),
+        "packs": len(packs),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / seconds, 1),
+    }
 
 
 # ---- report ----
@@ -515,14 +526,20 @@ def plot(runs: dict, out: Path) -> None:
     for name, run in runs.items():
         for interface, points in run.get("mixed", {}).items():
             levels = sorted(points, key=int)
-            left.plot([int(c) for c in levels], [points[c]["tokens_per_s"] for c in levels], marker="o",
-                      label=f"{name} {interface}")
+            left.plot(
+                [int(c) for c in levels],
+                [points[c]["tokens_per_s"] for c in levels],
+                marker="o",
+                label=f"{name} {interface}",
+            )
             top = points[levels[-1]]["latencies_ms"]
             right.plot(top, np.linspace(0, 1, len(top)), label=f"{name} {interface} c={levels[-1]}")
     if "encoder" in runs:
         left.axhline(runs["encoder"]["tokens_per_s"], color="black", linestyle="--", label="encoder alone")
     left.set(xlabel="concurrent callers", ylabel="vision tokens / s", xscale="log", yscale="log", title="throughput")
-    right.set(xlabel="latency (ms)", ylabel="fraction of requests", xscale="log", title="latency CDF, highest concurrency")
+    right.set(
+        xlabel="latency (ms)", ylabel="fraction of requests", xscale="log", title="latency CDF, highest concurrency"
+    )
     left.legend(fontsize=7)
     right.legend(fontsize=7)
     figure.tight_layout()
@@ -532,18 +549,28 @@ def plot(runs: dict, out: Path) -> None:
 def table(runs: dict) -> str:
     levels = sorted({c for run in runs.values() for p in run.get("mixed", {}).values() for c in p}, key=int)
     lines = [f"{name}: {run['environment']}" for name, run in runs.items() if "environment" in run]
-    lines += ["", "| system | interface | " + " | ".join(f"c={c}: tok/s (p50 ms)" for c in levels) + " |",
-              "|---|---|" + "---|" * len(levels)]
+    lines += [
+        "",
+        "| system | interface | " + " | ".join(f"c={c}: tok/s (p50 ms)" for c in levels) + " |",
+        "|---|---|" + "---|" * len(levels),
+    ]
     for name, run in runs.items():
         for interface, points in run.get("mixed", {}).items():
-            cells = [f"{points[c]['tokens_per_s']:.0f} ({points[c]['p50_ms']:.0f})" if c in points else "" for c in levels]
+            cells = [
+                f"{points[c]['tokens_per_s']:.0f} ({points[c]['p50_ms']:.0f})" if c in points else "" for c in levels
+            ]
             lines.append(f"| {name} | {interface} | " + " | ".join(cells) + " |")
     if "encoder" in runs:
-        lines.append(f"| encoder alone | same items, router's packing | {runs['encoder']['tokens_per_s']:.0f} |" + " |" * (len(levels) - 1))
+        lines.append(
+            f"| encoder alone | same items, router's packing | {runs['encoder']['tokens_per_s']:.0f} |"
+            + " |" * (len(levels) - 1)
+        )
     ours = runs.get("ours", {})
     for interface, points in ours.get("single_448", {}).items():
-        lines.append(f"\nOne 448x448 image, concurrency 1, {interface}: p50 {points['1']['p50_ms']:.1f} ms, "
-                     f"p99 {points['1']['p99_ms']:.1f} ms")
+        lines.append(
+            f"\nOne 448x448 image, concurrency 1, {interface}: p50 {points['1']['p50_ms']:.1f} ms, "
+            f"p99 {points['1']['p99_ms']:.1f} ms"
+        )
     for tag, startup in ours.get("startup", {}).items():
         shown = {k: v for k, v in startup.items() if k.endswith("_s")}
         lines.append(f"\nStartup ({tag}): {shown}")
@@ -564,7 +591,9 @@ def main() -> None:
     parser.add_argument("--baseline-port", type=int, default=8011)
     parser.add_argument("--report", action="store_true", help="only rebuild the table and plot from <out>")
     parser.add_argument("--interfaces", default="handle,safetensors,json", help="ours: interfaces of the mixed load")
-    parser.add_argument("--single", type=int, default=256, help="ours: distinct 448x448 images at concurrency 1 (0: skip)")
+    parser.add_argument(
+        "--single", type=int, default=256, help="ours: distinct 448x448 images at concurrency 1 (0: skip)"
+    )
     parser.add_argument("--replicas", type=int, help="ours: this many encoder replicas, autoscaling off")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,6 @@ from encoder_graphs.runner import EncoderRunner
 from models import from_preset
 from tests.helpers import random_image, reference_item, reference_tower, relative_error
 
-
 SMALL_LADDER = GraphConfig(max_budget_tokens=512, fine_budget_steps=1)
 """Ten graphs on CPU: few enough that the warm-up logs a line for each (its per-step hook here)."""
 
