@@ -146,14 +146,18 @@ async def complete(router, body: ChatRequest):
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(router, request, include_usage), media_type="text/event-stream")
-    timeout = router.config.router.request_timeout_s
-    response = router.llm.generate.remote(request)
-    try:
-        result = await asyncio.wait_for(response, timeout)
-    except asyncio.TimeoutError:
-        response.cancel()  # stops the generation in the LLM replica
-        raise RequestError(504, f"not done within request_timeout_s={timeout}", error_type="timeout_error") from None
+    result = await result_within(router.llm.generate.remote(request), router.config.router.request_timeout_s)
     return completion(router.config.llm.model_id, result)
+
+
+async def result_within(response, timeout_s: float):
+    """A `DeploymentResponse`'s result, or 504 after `timeout_s`: the call is cancelled, which stops
+    the generation in the LLM replica (ceasing to await it would not)."""
+    try:
+        return await asyncio.wait_for(response, timeout_s)
+    except asyncio.TimeoutError:
+        response.cancel()
+        raise RequestError(504, f"not done within request_timeout_s={timeout_s}", error_type="timeout_error") from None
 
 
 async def _generate_request(router, body: ChatRequest):

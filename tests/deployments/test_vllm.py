@@ -28,9 +28,9 @@ from openai import OpenAI
 from ray import serve
 from transformers import AutoProcessor
 
+from deployments.chat import result_within
 from deployments.errors import RequestError
 from deployments.llm import GenerateRequest
-from deployments.router import result_within
 from models.protocol import ItemOutput
 from models.tiny_checkpoint import save_tiny_vlm
 from tests.deployments.media_helpers import pattern
@@ -165,7 +165,8 @@ def chat(url: str, images, max_tokens: int = MAX_TOKENS, text: str | None = None
     if text is not None:
         messages[1]["content"][0]["text"] = text
     client = OpenAI(base_url=url + "/v1", api_key="unused")
-    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens, temperature=0)
+    served = client.models.list().data[-1].id  # the LLM's id (its checkpoint path), as /v1/models lists it
+    reply = client.chat.completions.create(model=served, messages=messages, max_tokens=max_tokens, temperature=0)
     return reply.model_dump()
 
 
