@@ -1,7 +1,9 @@
 """The router's pack scheduler: queues items per modality and sends packs when they close.
 
 A pack closes when it fills `target_fill` of the largest budget, when it cannot take more
-items (items or segments per pack), or when its oldest item has waited `max_wait_s`.
+items (items or segments per pack), when its oldest item has waited `max_wait_s`, or at once
+when none of this router's packs is in flight (work-conserving: a lone request does not wait
+`max_wait_s`; under load packs are in flight, and items wait and join fuller packs).
 Packs are formed oldest first (`encoder_graphs.packing`), so no item starves. Items whose
 request went away (cancelled future) are dropped before their pack is sent. Queued plus
 in-flight tokens are bounded: `submit` refuses work above `max_queued_tokens`.
@@ -189,7 +191,8 @@ class PackScheduler:
         for pack in pack_items(queue, self.ladder, self.max_items, self.max_segments):
             items = [by_key[p.key] for p in pack.items]
             deadline = min(item.enqueued_at for item in items) + self.max_wait_s
-            if not (self._closed(pack, items) or deadline <= now):
+            idle = not self._tasks  # nothing of ours in flight: waiting would only leave the encoder idle
+            if not (self._closed(pack, items) or deadline <= now or idle):
                 next_deadline = deadline if next_deadline is None else min(next_deadline, deadline)
             elif self._has_room():
                 sent.update(id(item) for item in items)

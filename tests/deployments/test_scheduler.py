@@ -58,25 +58,30 @@ def test_items_of_several_requests_share_a_pack_and_get_their_own_outputs():
     assert sched.stats.snapshot()["mean_requests_per_pack"] == 2.0
 
 
-def test_a_full_pack_leaves_at_once_and_a_partial_one_after_max_wait():
+def test_a_partial_pack_waits_max_wait_only_while_another_pack_is_in_flight():
+    """Work-conserving: with nothing in flight a lone item leaves at once; while a pack is in flight
+    a partial one waits `max_wait_s` for company, and a full one leaves at once."""
+
     async def main():
-        recorder = Recorder()
+        recorder = Recorder(delay_s=2.0)
         sched = scheduler(recorder, max_wait_s=0.3)
         loop = asyncio.get_running_loop()
-        full = items([950], "full")  # >= 0.9 * 1024
-        start = loop.time()
-        sched.submit(full)
-        await full[0].future
-        full_latency = loop.time() - start
-        partial = items([10], "partial")
-        start = loop.time()
-        sched.submit(partial)
-        await partial[0].future
-        return full_latency, loop.time() - start
 
-    full_latency, partial_latency = asyncio.run(main())
-    assert full_latency < 0.2
-    assert 0.29 <= partial_latency < 1.0
+        async def sent_after(submitted: list[QueuedItem]) -> float:
+            start, count = loop.time(), len(recorder.packs)
+            sched.submit(submitted)
+            while len(recorder.packs) == count:
+                await asyncio.sleep(0.005)
+            return loop.time() - start
+
+        lone = await sent_after(items([10], "lone"))
+        partial = await sent_after(items([10], "partial"))
+        full = await sent_after(items([950], "full"))  # >= 0.9 * 1024
+        return lone, partial, full
+
+    lone, partial, full = asyncio.run(main())
+    assert lone < 0.1 and full < 0.1
+    assert 0.29 <= partial < 1.0
 
 
 def test_cancelled_items_are_dropped_before_their_pack_is_sent():
