@@ -2,10 +2,10 @@
 
 One template process per pool imports the libraries and builds the preprocessor; each worker is
 forked from it (`template`). A worker answers one job at a time over its pipe: `(True, result)`
-or `(False, RequestError)`. Results carry pixels as numpy arrays, not tensors, so they cross the pipe as plain bytes
-(torch would hand tensors over through shared-memory file descriptors). Any failure on an
-item's bytes is that item's 400; the worker itself stays up. A worker that a job crashed or
-that ran past its time limit is replaced by the pool.
+or `(False, RequestError)`. Results carry pixels as numpy arrays, not tensors, so they cross the
+pipe as plain bytes (torch would hand tensors over through shared-memory file descriptors). Any
+failure on an item's bytes is that item's 400; the worker itself stays up. A worker that a job
+crashed or that ran past its time limit is replaced by the pool.
 """
 
 from __future__ import annotations
