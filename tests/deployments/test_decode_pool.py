@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import numpy as np
 import psutil
 import pytest
 from PIL import Image
@@ -39,25 +40,57 @@ def inspect(pool: DecodePool, data: bytes):
     return asyncio.run(pool.run("inspect", (RawItem(0, "image", data),), 0, small=True))
 
 
-def children(pid: int) -> list[psutil.Process]:
-    return psutil.Process(pid).children()
+def heavy_png() -> bytes:
+    """4000x4000 of gradients: its decode takes well over `SHORT_LIMIT_S` on any CPU."""
+    y = np.linspace(0, 255, 4000, dtype=np.float32)[:, None]
+    x = np.linspace(0, 255, 4000, dtype=np.float32)[None, :]
+    rgb = np.stack(np.broadcast_arrays(x, y, (x + y) / 2), axis=-1).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(rgb).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+SHORT_LIMIT_S = 0.02
+
+
+def decode_over_the_limit(pool: DecodePool) -> RequestError:
+    """Inspect a heavy image, then decode it under a time limit it cannot meet: the error."""
+
+    async def both():
+        raw = RawItem(0, "image", heavy_png())
+        found = await pool.run("inspect", (raw,), 0)
+        pool.timeout_s = SHORT_LIMIT_S
+        try:
+            await pool.run("decode", (raw, found, None), 0, pixels=found.source_pixels)
+        finally:
+            pool.timeout_s = 5.0
+
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(both())
+    return refused.value
+
+
+def live_children(pid: int, count: int, timeout_s: float = 10.0) -> set[int]:
+    """The pids of `pid`'s children once exactly `count` are running (a killed one takes a moment)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = {p.pid for p in psutil.Process(pid).children() if p.status() != psutil.STATUS_ZOMBIE}
+        if len(found) == count or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
 
 
 def test_workers_are_forked_from_the_template_and_answer(pool):
     template = pool.describe()["template_pid"]
-    assert pool.alive == 3 and len(children(template)) == 3
+    assert pool.alive == 3 and len(live_children(template, 3)) == 3
     assert inspect(pool, png(64, 48)).spec.grid_thw[0] == 1
 
 
 def test_a_job_over_its_time_limit_kills_its_worker_and_a_new_one_is_forked(pool):
     template = pool.describe()["template_pid"]
-    before = {p.pid for p in children(template)}
-    pool.timeout_s = 1e-4  # every job is now over its limit
-    with pytest.raises(RequestError) as refused:
-        inspect(pool, png(64, 48))
-    assert refused.value.status == 413
-    pool.timeout_s = 5.0
-    after = {p.pid for p in children(template)}
+    before = live_children(template, 3)
+    assert decode_over_the_limit(pool).status == 413
+    after = live_children(template, 3)
     assert len(after) == 3 and len(after - before) == 1 and pool.describe()["timeouts"] == 1
     assert inspect(pool, png(32, 32)).spec.grid_thw[0] == 1
 
@@ -69,10 +102,7 @@ def test_a_new_template_starts_when_the_old_one_is_gone(pool):
     while psutil.pid_exists(old) and psutil.Process(old).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    pool.timeout_s = 1e-4  # the worker that times out is replaced: from a new template
-    with pytest.raises(RequestError):
-        inspect(pool, png(64, 48))
-    pool.timeout_s = 5.0
+    assert decode_over_the_limit(pool).status == 413  # its worker is replaced: from a new template
     stats = pool.describe()
     assert stats["template_restarts"] == 1 and stats["template_pid"] != old and pool.alive == 3
     assert inspect(pool, png(32, 32)).spec.grid_thw[0] == 1

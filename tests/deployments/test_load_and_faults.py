@@ -225,7 +225,8 @@ def test_backpressure_answers_503_with_retry_after_and_timeouts_504(serve_harnes
 
     replies = asyncio.run(burst())
     statuses = [r.status_code for r in replies]
-    assert 503 in statuses and set(statuses) <= {503, 504}
+    # the first pack leaves at once (nothing in flight); the others wait 400 ms for company
+    assert 503 in statuses and set(statuses) <= {200, 503, 504} and statuses.count(200) <= 1
     refused = next(r for r in replies if r.status_code == 503)
     assert refused.headers["Retry-After"] == "2"
     assert "max_queued_tokens=300" in refused.json()["error"]["message"]
