@@ -315,8 +315,8 @@ def full_speed(url: str, model_id: str, timeout_s: float) -> tuple[float, dict]:
 def start_service(args, out: Path, tag: str) -> tuple[ServeRun, dict]:
     from deployments.config import AppConfig
 
-    app = yaml.safe_load(args.config.read_text())["applications"][0]
     config = yaml.safe_load(args.config.read_text())
+    app = config["applications"][0]
     url = f"http://127.0.0.1:{config.get('http_options', {}).get('port', 8000)}"
     service = ServeRun(args.config, out / f"serve_run_{tag}.log")
     probe = http_body(single_images(1, seed=99)[0], "safetensors", True)
@@ -339,22 +339,24 @@ def start_service(args, out: Path, tag: str) -> tuple[ServeRun, dict]:
 
 def compare_handle_and_http(handle, url: str, requests: list[list]) -> float:
     """Largest relative error between an item's handle result and its HTTP safetensors result."""
+    import math
+
     import httpx
-    import torch
     from safetensors.torch import load
 
     worst = 0.0
     for items in requests:
         results = handle.encode.remote(handle_items(items), cache=False).result()
-        body = httpx.post(url + "/v1/encode", content=http_body(items, "safetensors", True), headers=JSON, timeout=120)
-        body.raise_for_status()
-        body = body.content
-        tensors = load(body)
+        reply = httpx.post(url + "/v1/encode", content=http_body(items, "safetensors", True), headers=JSON, timeout=120)
+        reply.raise_for_status()
+        tensors = load(reply.content)
         for result in results:
             http = tensors[f"{result.index}.embedding"].float()
-            ours = result.embedding.float()
-            worst = max(worst, ((ours - http).abs().max() / http.abs().max().clamp_min(1e-6)).item())
-    return worst if torch.isfinite(torch.tensor(worst)) else float("inf")
+            error = ((result.embedding.float() - http).abs().max() / http.abs().max().clamp_min(1e-6)).item()
+            if not math.isfinite(error):  # max() would drop a NaN
+                return float("inf")
+            worst = max(worst, error)
+    return worst
 
 
 def run_ours(args, requests: list[list]) -> dict:

@@ -154,6 +154,8 @@ class WarmUp:
         except Exception:
             self.stage = "failed"
             raise
+        finally:
+            self._private_inputs = None  # only the warm-up compiles: stopped, failed or done
         status = self.status()
         progress(
             f"full speed {time.perf_counter() - start:.1f} s into the warm-up: {status.graphs_live}/"
@@ -378,7 +380,6 @@ class WarmUp:
                 runner.memory.peak_allocated_bytes = torch.cuda.max_memory_allocated(runner.device)
             self.full_speed = True
             self.stage = "done"
-        self._private_inputs = None
         if runner.compile_cache is not None and runner.forwards.compiled is not None:
             runner.compile_cache.save()
 

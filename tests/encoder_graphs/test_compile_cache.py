@@ -44,6 +44,12 @@ def test_activating_points_triton_at_the_key_unless_the_environment_chose(tmp_pa
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "k" / "triton")
 
 
+def test_a_directory_under_home_is_expanded(monkeypatch, tmp_path):
+    """The GPU configs name `~/.cache/...`: the cache must land in the home directory, not in `./~`."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert CompileCache("~/.cache/compile", "k").path == tmp_path / ".cache" / "compile" / "k"
+
+
 ROUND_TRIP = """
 import sys
 import torch
