@@ -80,12 +80,13 @@ class ItemOutput:
     """`[num_deepstack, output_tokens, out_hidden]` (Qwen3-VL) or None."""
 
     def __reduce__(self):
-        # Pickled as numpy arrays so Ray's object store can pass the bytes out of band (zero
-        # copy); plain pickling of bfloat16 tensors copies them through the pickle stream.
-        return (_item_output_from_arrays, (_to_array(self.tokens), _to_array(self.deepstack)))
+        return (_item_output_from_arrays, (to_wire(self.tokens), to_wire(self.deepstack)))
 
 
-def _to_array(tensor: torch.Tensor | None):
+def to_wire(tensor: torch.Tensor | None):
+    """A CPU tensor as a numpy array, for pickling into Ray's object store: numpy's bytes go out
+    of band (one copy in, zero copies out), where a pickled tensor goes through the pickle
+    stream and takes its whole storage along (a view of a pack carries the pack)."""
     if tensor is None or tensor.device.type != "cpu":
         return tensor
     if tensor.dtype == torch.bfloat16:
@@ -93,7 +94,8 @@ def _to_array(tensor: torch.Tensor | None):
     return ("", tensor.contiguous().numpy())
 
 
-def _from_array(packed) -> torch.Tensor | None:
+def from_wire(packed) -> torch.Tensor | None:
+    """`to_wire`'s inverse; the tensor shares the object store's read-only memory."""
     if packed is None or isinstance(packed, torch.Tensor):
         return packed
     kind, array = packed
@@ -104,7 +106,7 @@ def _from_array(packed) -> torch.Tensor | None:
 
 
 def _item_output_from_arrays(tokens, deepstack) -> ItemOutput:
-    return ItemOutput(_from_array(tokens), _from_array(deepstack))
+    return ItemOutput(from_wire(tokens), from_wire(deepstack))
 
 
 def segment_lengths(specs: Sequence[ItemSpec]) -> list[int]:

@@ -1,0 +1,45 @@
+"""What travels through Ray's object store: packs of pixels to a replica, item outputs back.
+
+Ray pickles with protocol 5 and keeps out-of-band buffers out of the pickle stream (written
+once into shared memory, read without a copy). Tensors must travel as such buffers, and an
+item sliced from a pack must carry only its own bytes.
+"""
+
+import pickle
+
+import torch
+
+from deployments.encoder import PackRequest
+from models.protocol import ItemOutput, ItemSpec
+
+
+def pickled(value) -> tuple[object, int, int]:
+    """(round trip, bytes in the pickle stream, bytes out of band)."""
+    buffers = []
+    stream = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    return pickle.loads(stream, buffers=buffers), len(stream), sum(b.raw().nbytes for b in buffers)
+
+
+def test_an_item_output_carries_its_own_rows_out_of_band_in_its_dtype():
+    pack_tokens = torch.randn(300, 64).to(torch.bfloat16)
+    pack_deepstack = torch.randn(3, 300, 64).to(torch.bfloat16)
+    item = ItemOutput(pack_tokens[100:150], pack_deepstack[:, 100:150])  # views of the pack
+    back, in_band, out_of_band = pickled(item)
+    assert out_of_band == (50 * 64 + 3 * 50 * 64) * 2  # the item's rows, not the pack's storage
+    assert in_band < 1024
+    assert back.tokens.dtype == torch.bfloat16 and torch.equal(back.tokens, item.tokens)
+    assert torch.equal(back.deepstack, item.deepstack)
+
+
+def test_a_pack_carries_its_pixels_out_of_band():
+    pixels = [
+        torch.randint(0, 256, (3, 64, 96), dtype=torch.uint8),
+        torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8),
+    ]
+    specs = [ItemSpec("image", (1, 4, 6), 24, 6), ItemSpec("image", (1, 2, 2), 4, 1)]
+    pack = PackRequest(7, "image", pixels, specs)
+    back, in_band, out_of_band = pickled(pack)
+    assert out_of_band == sum(p.numel() for p in pixels)
+    assert in_band < 2048
+    assert back.pack_id == 7 and back.specs == specs and back.modality == "image"
+    assert all(torch.equal(a, b) and b.dtype == torch.uint8 for a, b in zip(pixels, back.pixels))
