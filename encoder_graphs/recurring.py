@@ -1,5 +1,6 @@
 """Graphs of recurring packs' own exact layouts (`RecurringGraphs`): counted sightings, capture on the
-sighting that earns one, kept only where they beat the pack's plan.
+sighting that earns one (seen often enough, and recently enough to stay kept until it is seen
+again), kept only where they beat the pack's plan.
 
 A recurring pack's graph has no padding rows, runs each run of equal segments as one dense
 attention batch, bakes its position metadata into its own input buffers, writes views of the
@@ -73,13 +74,31 @@ class RecurringGraphs:
             return False
         if sum(s.input_patches for s in specs) > self.table.budgets[-1] * self.encoder.merge_unit:
             return False
+        distance = self._reuse_distance(key)
         seen = self._sightings.pop(key, 0)
         if seen >= 0:
             seen += 1
         self._sightings[key] = seen
         while len(self._sightings) > SIGHTINGS_KEPT:
             self._sightings.popitem(last=False)
-        return seen >= self.config.recurring_after
+        if seen < self.config.recurring_after:
+            return False
+        if distance >= self.config.recurring_graphs:
+            self.stats.recurring_sparse += 1
+            return False
+        return True
+
+    def _reuse_distance(self, key: PackKey) -> int:
+        """Distinct keys seen since `key` was last seen, counted up to `recurring_graphs` (0 for a
+        new key). A key that recurs no more often than that many others would be evicted before
+        its next sighting: capturing it would cost a capture per sighting and save nothing."""
+        if key not in self._sightings:
+            return 0
+        limit = self.config.recurring_graphs
+        for distance, other in enumerate(reversed(self._sightings)):
+            if other == key or distance >= limit:
+                return distance
+        return limit
 
     def refuse(self, key: PackKey, why: str, detail: str = "") -> None:
         """Never try `key` again (counted per reason)."""

@@ -69,6 +69,9 @@ class RunnerStats:
     """Recurring packs' graphs captured and kept."""
     recurring_evicted: int = 0
     """Recurring packs' graphs dropped, least recently used first, past `recurring_graphs`."""
+    recurring_sparse: int = 0
+    """Sightings that would have earned a graph but recur among more than `recurring_graphs` other
+    keys (the graph would be evicted before its next use), so none was captured."""
     recurring_rejected: Counter = field(default_factory=Counter)
     """Recurring packs refused a graph, per reason: "slower" than the planned route, "mismatch"
     with its own warm-up run, "error" while capturing, "memory" (too little free), "nonfinite"
@@ -127,6 +130,7 @@ class RunnerStats:
             "recurring_hits": self.recurring_hits,
             "recurring_captured": self.recurring_captured,
             "recurring_evicted": self.recurring_evicted,
+            "recurring_sparse": self.recurring_sparse,
             "recurring_rejected": dict(self.recurring_rejected),
             "recurring_uncompiled": self.recurring_uncompiled,
         }

@@ -605,6 +605,27 @@ def test_a_recurring_pack_gets_its_own_exact_layout_graph(qwen3):
     assert runner.stats.last.recurring and runner.stats.recurring_hits == hits + 1
 
 
+def test_packs_that_recur_among_more_keys_than_are_kept_get_no_graph(qwen3):
+    """With room for 2 recurring graphs, 3 packs in rotation would each be evicted before its
+    next sighting: none is captured (each such sighting counted). A pack seen between every
+    other one gets its graph."""
+    encoder, reference = qwen3
+    runner = warmed(encoder, GraphConfig(max_budget_tokens=1024, recurring_graphs=2))
+    rng = np.random.default_rng(13)
+    rotation = [make_images(encoder, rng, [size]) for size in ((96, 64), (64, 128), (160, 96))]
+    for _ in range(3):
+        for pixels, specs in rotation:
+            assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+    assert runner.stats.recurring_captured == 0 and runner.stats.recurring_sparse == 2 * 3
+    hot = make_images(encoder, rng, [(128, 128)])
+    for pixels, specs in rotation:
+        runner.run(*hot)
+        runner.run(pixels, specs)
+    assert runner.stats.recurring_captured == 1 and runner.stats.last.recurring is False
+    assert_matches_reference(reference, *hot, runner.run(*hot))
+    assert runner.stats.last.recurring
+
+
 def reordered(pixels, specs, order):
     offsets = np.cumsum([0] + [s.input_patches for s in specs])
     return torch.cat([pixels[offsets[i] : offsets[i + 1]] for i in order]), [specs[i] for i in order]
@@ -647,9 +668,10 @@ def test_recurring_graphs_are_bounded_and_can_be_turned_off(qwen3):
     for pixels, specs in (a, a, b, b, a, a):
         assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
     stats = runner.stats.snapshot()
-    # a: captured; b: captured, a evicted; a (seen before): captured again at once, b evicted
-    assert stats["recurring_captured"] == 3 and stats["recurring_evicted"] == 2
-    assert runner.describe()["recurring_graphs"] == 1 and stats["recurring_hits"] == 1
+    # a: captured; b: captured, a evicted; a again, after b: too sparse for one graph; a once
+    # more, right after itself: captured, b evicted
+    assert stats["recurring_captured"] == 3 and stats["recurring_evicted"] == 2 and stats["recurring_sparse"] == 1
+    assert runner.describe()["recurring_graphs"] == 1 and stats["recurring_hits"] == 0
 
     off = warmed(encoder, GraphConfig(max_budget_tokens=512, recurring_graphs=0))
     for pixels, specs in (a, a, a):
