@@ -17,6 +17,14 @@ import torch
 from models.protocol import ItemOutput
 
 
+def owned(output: ItemOutput) -> ItemOutput:
+    """The caller's own copy. What `ray.get` returns shares the node's object store pages with
+    every other reader of the object (the router's cache serves it to later requests), so a
+    caller writing in place would change their results too."""
+    deepstack = None if output.deepstack is None else output.deepstack.clone()
+    return ItemOutput(output.tokens.clone(), deepstack)
+
+
 @dataclass
 class ItemRef:
     """One item's result as a reference (`encode(..., as_refs=True)`)."""
@@ -40,13 +48,13 @@ class EncodeResult(ItemRef):
 
     def _fetched(self) -> ItemOutput:
         if self._output is None:
-            self._output = ray.get(self.ref)
+            self._output = owned(ray.get(self.ref))
         return self._output
 
     async def fetch(self) -> EncodeResult:
         """Read the tensors without blocking an event loop (inside async code)."""
         if self._output is None:
-            self._output = await self.ref
+            self._output = owned(await self.ref)
         return self
 
     @property

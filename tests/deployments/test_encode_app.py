@@ -308,6 +308,24 @@ def test_handle_results_come_from_the_encoder_replica_not_through_the_router(app
     assert list(results[0].grid_thw) == expected[0][2] and list(refs[0].grid_thw) == expected[1][2]
 
 
+def test_a_caller_writing_into_its_result_changes_nobody_elses(app, url, reference):
+    """The caller's tensors are its own: the object store's pages are shared by every reader of
+    the object, and the router's cache answers later requests from the same object."""
+    encoder, tower = reference
+    data = image_file(pattern(120, 90, seed=63), "PNG")
+    handle = serve.get_app_handle(app.name)
+    first = handle.encode.remote([data]).result()[0]  # cached by the router
+    first.embedding.fill_(7.0)
+    if first.deepstack is not None:
+        first.deepstack.fill_(7.0)
+    again = handle.encode.remote([data]).result()[0]
+    assert again.ref == first.ref  # the same object, from the cache
+    tokens, deepstack, _ = reference_image(encoder, tower, data)
+    assert relative_error(again.embedding, tokens) <= TOLERANCE
+    if deepstack is not None:
+        assert relative_error(again.deepstack, deepstack) <= TOLERANCE
+
+
 def test_handle_refuses_unsupported_items_with_a_clear_error(app, url):
     handle = serve.get_app_handle(app.name)
     for bad in (12345, "a string", {"type": "video", "frames": [1, 2]}, {"type": "audio"}):
