@@ -53,7 +53,17 @@ CASES = {
     "video 16 x 448x448": [("video", 448, 448)],
     "mixed 896 + 4x448 + 8x224": [("image", 896, 896)] + [("image", 448, 448)] * 4 + [("image", 224, 224)] * 8,
 }
+INTERNVL_CASES = {
+    "1 tile": [("image", 448, 448)],
+    "7 tiles + thumbnail": [("image", 300, 2100)],
+    "8 images of 1 tile": [("image", 448, 448)] * 8,
+}
+"""InternVL packs are runs of 448x448 tiles: an image's crop grid plus its thumbnail."""
 VIDEO_FRAMES = 16
+
+
+def cases_of(encoder) -> dict[str, list[tuple[str, int, int]]]:
+    return INTERNVL_CASES if encoder.family == "internvl" else CASES
 
 
 def measure_peak_tflops(device: torch.device, trials: int = 5) -> float:
@@ -84,6 +94,8 @@ def route(report) -> str:
 
 def useful_flops(encoder, specs: list[ItemSpec]) -> float:
     """Linear-layer FLOPs for the real rows plus block-diagonal attention FLOPs (no padding)."""
+    if encoder.family == "internvl":
+        return internvl_flops(encoder, specs)
     tower, config = encoder.tower, encoder.tower.config
     rows = sum(s.input_patches for s in specs)
     flops = 0.0
@@ -106,30 +118,63 @@ def useful_flops(encoder, specs: list[ItemSpec]) -> float:
     return flops
 
 
-def build_case(encoder, items, rng) -> tuple[str, torch.Tensor, list[ItemSpec]]:
+def internvl_flops(encoder, specs: list[ItemSpec]) -> float:
+    """InternViT over each tile's patches and class token (full attention within a tile), then
+    the projector over the tokens left after pixel shuffle."""
+    vision = encoder.tower.config.vision_config
+    tiles = sum(s.grid_thw[0] for s in specs)
+    patches = sum(s.input_patches for s in specs)
+    rows = patches + tiles  # a class token per tile
+    tile_rows = rows // tiles if tiles else 0
+    flops = 0.0
+    for name, module in encoder.tower.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            layer_rows = rows if name.startswith("vision_tower.") else patches // encoder.merge_unit
+            flops += 2 * layer_rows * module.in_features * module.out_features
+        elif isinstance(module, torch.nn.Conv2d):
+            flops += 2 * patches * module.weight[0].numel() * module.out_channels
+    flops += 4 * vision.hidden_size * tiles * tile_rows**2 * vision.num_hidden_layers
+    return flops
+
+
+def build_case(encoder, items, rng) -> tuple[str, list[torch.Tensor], torch.Tensor, list[ItemSpec]]:
+    """(modality, resized uint8 items, the encoder's pixel rows, specs) of random images or videos."""
     pre = encoder.preprocessor
     modality = items[0][0]
-    resized = []
+    resized, specs = [], []
     for _, height, width in items:
         if modality == "video":
             frames = torch.from_numpy(rng.integers(0, 255, (VIDEO_FRAMES, 3, height, width), dtype=np.uint8))
             resized.append(pre.resize_video(frames))
+            specs.append(pre.video_spec(VIDEO_FRAMES, height, width))
         else:
             resized.append(pre.resize_image(torch.from_numpy(rng.integers(0, 255, (3, height, width), dtype=np.uint8))))
-    frames = VIDEO_FRAMES if modality == "video" else 1
-    specs = [pre.spec(modality, frames, *r.shape[-2:]) for r in resized]
+            specs.append(pre.image_spec(height, width))
     pixels = pre.pixel_values(resized, modality, device=encoder.device).to(encoder.dtype)
-    return modality, pixels, specs
+    return modality, resized, pixels, specs
 
 
-def hf_tower(encoder, preset: str, dtype: torch.dtype):
-    """A separate transformers tower with the same weights, run its own way (sdpa)."""
-    return transformers_tower(encoder, dtype=dtype)
+def hf_call(encoder, hf, resized: list[torch.Tensor], pixels: torch.Tensor, specs: list[ItemSpec]):
+    """One forward of transformers' own model as users call it: Qwen's tower on the processor's
+    patch rows and grids; InternVL's `get_image_features` on the processor's normalized tiles."""
+    if encoder.family == "internvl":
+        processor = encoder.preprocessor.image_processor
+        tiles = processor(
+            images=[tile for item in resized for tile in item],
+            do_resize=False,
+            crop_to_patches=False,
+            device=encoder.device,
+            input_data_format="channels_first",
+            return_tensors="pt",
+        )["pixel_values"].to(encoder.dtype)
+        return lambda: hf.get_image_features(tiles)
+    grid = torch.tensor([list(s.grid_thw) for s in specs], device=encoder.device)
+    return lambda: hf(pixels, grid_thw=grid)
 
 
 def bench_preset(preset: str, device: torch.device, dtype: torch.dtype, config: GraphConfig, attention: str) -> dict:
     encoder = from_preset(preset, dtype=dtype, device=device, seed=0, attention=attention)
-    hf = hf_tower(encoder, preset, dtype)
+    hf = transformers_tower(encoder, dtype=dtype)  # the same weights, run transformers' way (sdpa)
     runner = EncoderRunner(encoder, config)
     start = time.perf_counter()
     startup_log: list[str] = []  # where startup time goes: prepare, each warm-up stage and graph
@@ -143,9 +188,9 @@ def bench_preset(preset: str, device: torch.device, dtype: torch.dtype, config: 
     startup_s = time.perf_counter() - start
     rng = np.random.default_rng(0)
     rows = []
-    for case, items in CASES.items():
-        modality, pixels, specs = build_case(encoder, items, rng)
-        grid = torch.tensor([list(s.grid_thw) for s in specs], device=device)
+    for case, items in cases_of(encoder).items():
+        modality, resized, pixels, specs = build_case(encoder, items, rng)
+        hf_forward = hf_call(encoder, hf, resized, pixels, specs)
         tokens = sum(s.output_tokens for s in specs)
         patches = sum(s.input_patches for s in specs)
         flops = useful_flops(encoder, specs)
@@ -162,7 +207,7 @@ def bench_preset(preset: str, device: torch.device, dtype: torch.dtype, config: 
             kept = tuple(specs[i].grid_thw for i in canonical_order(specs)) in runner.recurring.entries
             timings = interleaved_ms(
                 {
-                    "hf": lambda: hf(pixels, grid_thw=grid),
+                    "hf": hf_forward,
                     "eager": lambda: encoder.forward_eager(pixels, specs),
                     "graph": first_sighting,
                     "recurring": lambda: runner.run(pixels, specs),
@@ -199,7 +244,7 @@ def bench_preset(preset: str, device: torch.device, dtype: torch.dtype, config: 
     described = runner.describe()
     return {
         "preset": preset,
-        "attention": encoder.attention.kernel,
+        "attention": encoder.compile_identity()["attention"],
         "ladder": list(runner.ladder.budgets),
         "graph_budgets": list(runner.table.budgets),
         "graphs": len(runner.entries),
