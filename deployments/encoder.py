@@ -3,8 +3,10 @@
 Loading and capture happen in the constructor, with progress in the log. A pack arrives
 as uint8 resized pixels; the replica normalizes and patchifies it on its own device with
 the model's processor, runs it through the graph runner, and returns per-item CPU tensors.
-Packs run one at a time (the GPU is the bottleneck); others wait here and count as
-queued tokens, which the router and the autoscaler read.
+Packs run one forward at a time (the GPU is the bottleneck); packs that wait meanwhile (from
+every router) are merged into the next forward where they fit its largest budget, so packing
+does not stop at a router's edge. Waiting packs count as queued tokens, which the routers and
+the autoscaler read.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from ray import serve
 
 from encoder_graphs.config import Ladder
+from encoder_graphs.packing import PackSize, merge_packs
 from encoder_graphs.runner import EncoderRunner
 from models import from_checkpoint, from_preset
 from models.protocol import ItemOutput, ItemSpec, from_wire, to_wire
@@ -54,6 +57,20 @@ def _pack_from_wire(pack_id: int, modality: str, pixels: list, specs: list[ItemS
 
 
 @dataclass
+class Waiting:
+    """A pack waiting at this replica for the device."""
+
+    pack: PackRequest
+    arrived: float
+    future: asyncio.Future
+
+    @property
+    def size(self) -> PackSize:
+        specs = self.pack.specs
+        return PackSize(self.pack.modality, self.pack.tokens, len(specs), sum(s.grid_thw[0] for s in specs))
+
+
+@dataclass
 class PackResult:
     """An encoded pack: per-item references into this replica's object store, and where the time went."""
 
@@ -66,11 +83,21 @@ class PackResult:
     queue_s: float
     """Waiting in the replica for the device."""
     forward_s: float
-    """Normalize, patchify, encode and copy to host."""
+    """Normalize, patchify, encode and copy to host (the whole forward it was merged into)."""
+    merged: int = 1
+    """Packs in that forward."""
 
 
 def output_bytes(output: ItemOutput) -> int:
     return output.tokens.nbytes + (0 if output.deepstack is None else output.deepstack.nbytes)
+
+
+def exit_on_cuda_error(error: Exception) -> None:
+    """A CUDA error is sticky: this process cannot use the GPU any more. Exit, so that Serve
+    replaces the replica and its callers resend their packs elsewhere."""
+    if isinstance(error, RuntimeError) and "CUDA error" in str(error):
+        logger.critical("CUDA error in encoder replica, exiting so Serve replaces it: %s", error)
+        os._exit(1)
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
@@ -114,6 +141,11 @@ class EncoderReplica:
         )
         self._warmup.start()
         # ---- end warm-up
+        self.ladder = ladder
+        self._waiting: list[Waiting] = []
+        self._drain: asyncio.Task | None = None
+        self.forwards = 0
+        self.merged_packs = 0
         self._lock = threading.Lock()
         self._counter_lock = threading.Lock()
         self.metrics = EncoderMetrics()
@@ -139,50 +171,118 @@ class EncoderReplica:
 
     async def encode_pack(self, pack: PackRequest) -> PackResult:
         self._count(queued=pack.tokens)
-        return await asyncio.to_thread(self._run, pack, time.perf_counter())
+        waiting = Waiting(pack, time.perf_counter(), asyncio.get_running_loop().create_future())
+        self._waiting.append(waiting)
+        if self._drain is None or self._drain.done():
+            self._drain = asyncio.get_running_loop().create_task(self._run_waiting())
+        return await waiting.future  # a caller that gives up cancels it: its pack is dropped
 
     def _count(self, queued: int = 0, inflight: int = 0) -> None:
         with self._counter_lock:
             self._queued_tokens += queued
             self._inflight_tokens += inflight
 
-    def _run(self, pack: PackRequest, arrived: float) -> PackResult:
-        # One pack at a time on the device; the runner's device lock also keeps this pack's
+    async def _run_waiting(self) -> None:
+        """Run the waiting packs, one forward at a time, the oldest first with those that fit beside it."""
+        while self._waiting:
+            batch = self._next_batch()
+            if not batch:  # every waiting caller gave up
+                continue
+            try:
+                results = await asyncio.to_thread(self._run, batch)
+            except Exception as error:
+                results = [error] * len(batch)
+            for waiting, result in zip(batch, results):
+                if waiting.future.done():
+                    continue
+                if isinstance(result, BaseException):
+                    waiting.future.set_exception(result)
+                else:
+                    waiting.future.set_result(result)
+
+    def _next_batch(self) -> list[Waiting]:
+        live = []
+        for waiting in self._waiting:
+            if waiting.future.done():  # its caller gave up
+                self._count(queued=-waiting.pack.tokens)
+            else:
+                live.append(waiting)
+        chosen = set(
+            merge_packs(
+                [w.size for w in live], self.ladder.budgets[-1], self.ladder.max_items, self.ladder.max_segments
+            )
+        )
+        self._waiting = [w for i, w in enumerate(live) if i not in chosen]
+        return [w for i, w in enumerate(live) if i in chosen]
+
+    def _run(self, batch: list[Waiting]) -> list[PackResult | Exception]:
+        # One forward at a time on the device; the runner's device lock also keeps this forward's
         # device-side preprocessing out of a warm-up capture.
+        packs = [waiting.pack for waiting in batch]
+        tokens = sum(pack.tokens for pack in packs)
         with self._lock, self.runner.device_lock:
             started = time.perf_counter()
-            self._count(queued=-pack.tokens, inflight=pack.tokens)
+            self._count(queued=-tokens, inflight=tokens)
             try:
-                outputs = self._encode(pack)
-            except RuntimeError as error:
-                if "CUDA error" in str(error):  # sticky: this process cannot use the GPU any more
-                    logger.critical("CUDA error in encoder replica, exiting so Serve replaces it: %s", error)
-                    os._exit(1)  # callers see the replica die and resend the pack elsewhere
-                raise
+                outputs = self._forward(packs)
+            except Exception as error:
+                exit_on_cuda_error(error)
+                if len(packs) == 1:
+                    raise
+                outputs = None  # merged: each pack runs alone below, so a failure stays its own
             finally:
-                self._count(inflight=-pack.tokens)
+                self._count(inflight=-tokens)
+            if outputs is None:
+                return [self._alone(waiting) for waiting in batch]
             forward_s = time.perf_counter() - started
-        # Into this replica's object store, outside the device lock: the next pack may start.
-        result = PackResult(
+        self.forwards += 1
+        self.merged_packs += len(packs)
+        # Into this replica's object store, outside the device lock: the next forward may start.
+        results, offset = [], 0
+        for waiting in batch:
+            count = len(waiting.pack.specs)
+            results.append(
+                self._result(outputs[offset : offset + count], started - waiting.arrived, forward_s, len(batch))
+            )
+            offset += count
+        try:
+            self._observe(packs, results)
+        except Exception:  # metrics must never fail a pack
+            logger.exception("recording metrics failed")
+        return results
+
+    def _alone(self, waiting: Waiting) -> PackResult | Exception:
+        """A pack of a failed merged forward, run on its own (the lock is held)."""
+        self._count(inflight=waiting.pack.tokens)
+        started = time.perf_counter()
+        try:
+            outputs = self._forward([waiting.pack])
+        except Exception as error:
+            exit_on_cuda_error(error)
+            return error
+        finally:
+            self._count(inflight=-waiting.pack.tokens)
+        return self._result(outputs, started - waiting.arrived, time.perf_counter() - started, 1)
+
+    def _result(self, outputs: list[ItemOutput], queue_s: float, forward_s: float, merged: int) -> PackResult:
+        return PackResult(
             [ray.put(out) for out in outputs],
             [output_bytes(out) for out in outputs],
             self.actor_id,
-            queue_s=started - arrived,
+            queue_s=queue_s,
             forward_s=forward_s,
+            merged=merged,
         )
-        try:
-            self._observe(pack, result)
-        except Exception:  # metrics must never fail a pack
-            logger.exception("recording metrics failed")
-        return result
 
-    def _observe(self, pack: PackRequest, result: PackResult) -> None:
+    def _observe(self, packs: list[PackRequest], results: list[PackResult]) -> None:
         metrics, report = self.metrics, self.runner.stats.last
-        if pack.tokens:
-            metrics.vision_tokens.inc(pack.tokens)
+        tokens = sum(pack.tokens for pack in packs)
+        if tokens:
+            metrics.vision_tokens.inc(tokens)
         metrics.queued_tokens.set(self._queued_tokens)
-        metrics.queue_seconds.observe(result.queue_s)
-        metrics.forward_seconds.observe(result.forward_s)
+        for result in results:
+            metrics.queue_seconds.observe(result.queue_s)
+        metrics.forward_seconds.observe(results[0].forward_s)
         if report.graph and report.recurring:  # the pack's own graph: no padding computed
             metrics.graph_hits.inc(tags={"budget": "recurring"})
             metrics.computed_tokens.inc(report.real_tokens)
@@ -199,11 +299,13 @@ class EncoderReplica:
             if report.budget is not None:
                 metrics.graph_misses.inc(tags={"budget": str(report.budget)})
 
-    def _encode(self, pack: PackRequest) -> list[ItemOutput]:
-        device = self.encoder.device
-        pixel_values = self.encoder.preprocessor.pixel_values(pack.pixels, pack.modality, device=device)
-        # One device-to-host copy for the whole pack; items are views of it.
-        return self.runner.run(pixel_values.to(self.encoder.dtype), pack.specs, output_device="cpu")
+    def _forward(self, packs: list[PackRequest]) -> list[ItemOutput]:
+        """Packs of one modality as one forward; their items' outputs in order."""
+        pixels = [p for pack in packs for p in pack.pixels]
+        specs = [spec for pack in packs for spec in pack.specs]
+        pixel_values = self.encoder.preprocessor.pixel_values(pixels, packs[0].modality, device=self.encoder.device)
+        # One device-to-host copy for the whole forward; items are views of it.
+        return self.runner.run(pixel_values.to(self.encoder.dtype), specs, output_device="cpu")
 
     def record_routing_stats(self) -> dict:
         return {
@@ -224,6 +326,8 @@ class EncoderReplica:
             "pid": os.getpid(),
             "queued_tokens": self._queued_tokens,
             "inflight_tokens": self._inflight_tokens,
+            "forwards": self.forwards,
+            "packs_per_forward": round(self.merged_packs / self.forwards, 3) if self.forwards else 0.0,
             **self.runner.describe(),
         }
 

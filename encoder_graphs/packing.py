@@ -10,7 +10,8 @@ Rules (property-tested):
 - an item larger than the largest budget goes alone, flagged to run eagerly.
 
 `split_items` is the runner's side of the same problem: a pack just over a budget, re-packed
-into a few packs of the next smaller budget.
+into a few packs of the next smaller budget. `merge_packs` is the replica's: packs waiting for
+the device (from several routers) that run as one forward.
 """
 
 from __future__ import annotations
@@ -55,6 +56,39 @@ class Pack:
     def fill(self) -> float:
         """Share of the budget that real tokens use (1.0 for eager packs)."""
         return 1.0 if self.token_budget is None else self.tokens / self.token_budget
+
+
+@dataclass(frozen=True)
+class PackSize:
+    """A pack waiting at a replica, as the merger sees it."""
+
+    modality: str
+    tokens: int
+    items: int
+    segments: int
+
+
+def merge_packs(waiting: Sequence[PackSize], largest: int, max_items: int, max_segments: int) -> list[int]:
+    """Indices of the waiting packs (oldest first) that run as one forward: the oldest, and each
+    later one of its modality that still fits the largest budget, `max_items` and `max_segments`
+    (first fit). An oldest pack over the largest budget runs alone."""
+    if not waiting:
+        return []
+    first = waiting[0]
+    chosen = [0]
+    if first.tokens > largest:
+        return chosen
+    tokens, items, segments = first.tokens, first.items, first.segments
+    for index, pack in enumerate(waiting[1:], start=1):
+        if (
+            pack.modality == first.modality
+            and tokens + pack.tokens <= largest
+            and items + pack.items <= max_items
+            and segments + pack.segments <= max_segments
+        ):
+            chosen.append(index)
+            tokens, items, segments = tokens + pack.tokens, items + pack.items, segments + pack.segments
+    return chosen
 
 
 def pack_items(

@@ -3,6 +3,7 @@ handle, against transformers per item."""
 
 from __future__ import annotations
 
+import io
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -324,6 +325,35 @@ def test_a_caller_writing_into_its_result_changes_nobody_elses(app, url, referen
     assert relative_error(again.embedding, tokens) <= TOLERANCE
     if deepstack is not None:
         assert relative_error(again.deepstack, deepstack) <= TOLERANCE
+
+
+def test_packs_waiting_at_a_replica_run_merged_and_each_gets_its_own_items(app, reference):
+    """Packs that reach a replica while it computes (from any router) run as one forward where
+    they fit; each pack's results are its own items', equal to transformers item by item."""
+    import ray
+
+    from deployments.encoder import PackRequest
+
+    encoder, tower = reference
+    pre = encoder.preprocessor
+    files = [image_file(pattern(96 + 16 * i, 80, seed=70 + i), "PNG") for i in range(6)]
+    packs = []
+    for pack_id, data in enumerate(files):
+        pixels = torch.from_numpy(np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))).permute(2, 0, 1)
+        spec = pre.image_spec(*pixels.shape[-2:])
+        packs.append(PackRequest(10_000 + pack_id, "image", [pre.resize_image(pixels.contiguous())], [spec]))
+    replica = serve.get_deployment_handle("EncoderReplica", app_name=app.name)
+    before = replica.describe.remote().result()
+    results = [r.result() for r in [replica.encode_pack.remote(pack) for pack in packs]]
+    after = replica.describe.remote().result()
+    forwards = after["forwards"] - before["forwards"]
+    assert forwards < len(packs) and max(r.merged for r in results) > 1, (forwards, [r.merged for r in results])
+    for data, result in zip(files, results):
+        tokens, deepstack, _ = reference_image(encoder, tower, data)
+        output = ray.get(result.outputs[0])
+        assert relative_error(output.tokens, tokens) <= TOLERANCE
+        if deepstack is not None:
+            assert relative_error(output.deepstack, deepstack) <= TOLERANCE
 
 
 def test_handle_refuses_unsupported_items_with_a_clear_error(app, url):

@@ -17,7 +17,7 @@ from encoder_graphs.budgets import (
     validate_ladder,
 )
 from encoder_graphs.config import GraphConfig, Ladder, budget_ladder
-from encoder_graphs.packing import PackItem, pack_items, split_items
+from encoder_graphs.packing import PackItem, PackSize, merge_packs, pack_items, split_items
 
 
 @given(st.integers(1, 5000), st.integers(1, 70000), st.sampled_from([1.25, 1.5, 2.0, 3.0]))
@@ -253,3 +253,47 @@ def test_sampled_budgets_span_the_ladder_on_a_log_scale():
     sampled = sample_budgets(ladder, 5)
     assert sampled[0] == ladder[0] and sampled[-1] == ladder[-1] and len(sampled) == 5
     assert set(sampled) <= set(ladder) and sample_budgets((64, 256), 5) == (64, 256)
+
+
+waiting_packs = st.lists(
+    st.builds(
+        PackSize,
+        modality=st.sampled_from(["image", "video"]),
+        tokens=st.integers(1, 600),
+        items=st.integers(1, 6),
+        segments=st.integers(1, 12),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(waiting_packs, st.integers(64, 1024), st.integers(1, 16), st.integers(1, 24))
+def test_merged_packs_start_with_the_oldest_and_stay_within_every_limit(waiting, largest, max_items, max_segments):
+    chosen = merge_packs(waiting, largest, max_items, max_segments)
+    if not waiting:
+        assert chosen == []
+        return
+    assert chosen[0] == 0 and chosen == sorted(set(chosen))
+    merged = [waiting[i] for i in chosen]
+    assert {p.modality for p in merged} == {waiting[0].modality}
+    if len(merged) > 1:
+        assert sum(p.tokens for p in merged) <= largest
+        assert sum(p.items for p in merged) <= max_items
+        assert sum(p.segments for p in merged) <= max_segments
+    # first fit: every pack left out would not have fitted beside those before it
+    for index, pack in enumerate(waiting[1:], start=1):
+        if index in chosen or pack.modality != waiting[0].modality or waiting[0].tokens > largest:
+            continue
+        before = [waiting[i] for i in chosen if i < index]
+        assert (
+            sum(p.tokens for p in before) + pack.tokens > largest
+            or sum(p.items for p in before) + pack.items > max_items
+            or sum(p.segments for p in before) + pack.segments > max_segments
+        )
+
+
+def test_packs_of_several_routers_merge_at_the_replica():
+    small = PackSize("image", 64, 1, 1)
+    assert merge_packs([small, PackSize("video", 64, 1, 2), small, small], 160, 8, 8) == [0, 2]
+    assert merge_packs([PackSize("image", 2000, 1, 1), small], 1024, 8, 8) == [0]  # oversize: alone
