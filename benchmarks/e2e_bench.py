@@ -130,6 +130,17 @@ def tokens_in(body: bytes, encoding_format: str) -> int:
     return int(USAGE.findall(body[-200:])[-1])
 
 
+def server_timing(header: str) -> dict[str, float]:
+    """`name;dur=ms, ...` (the service's `Server-Timing` header) as {name: ms}."""
+    stages = {}
+    for part in filter(None, (p.strip() for p in header.split(","))):
+        name, _, rest = part.partition(";")
+        for field in rest.split(";"):
+            if field.strip().startswith("dur="):
+                stages[name.strip()] = float(field.strip()[4:])
+    return stages
+
+
 async def _http_clients(url: str, bodies: list[bytes], fmt: str, concurrency: int, seconds: float, offset: int):
     import aiohttp
 
@@ -145,7 +156,8 @@ async def _http_clients(url: str, bodies: list[bytes], fmt: str, concurrency: in
                 async with session.post(url, data=body, headers=JSON) as reply:
                     data = await reply.read()
                 ok = reply.status == 200
-                samples.append((start, time.perf_counter(), tokens_in(data, fmt) if ok else 0, reply.status))
+                stages = server_timing(reply.headers.get("Server-Timing", ""))
+                samples.append((start, time.perf_counter(), tokens_in(data, fmt) if ok else 0, reply.status, stages))
                 n += concurrency
 
         await asyncio.gather(*(client(w) for w in range(concurrency)))
@@ -187,7 +199,11 @@ def summarize(samples: list, warmup_s: float) -> dict:
     kept = [s for s in samples if s[0] >= first] or samples
     window = max(s[1] for s in kept) - min(s[0] for s in kept)
     latencies = sorted((s[1] - s[0]) * 1e3 for s in kept)
+    timed = [s[4] for s in kept if len(s) > 4 and s[4]]
+    names = timed[0] if timed else {}
+    stages = {name: round(statistics.median(t.get(name, 0.0) for t in timed), 2) for name in names}
     return {
+        "server_timing_p50_ms": stages,  # the service's own account of where a request's time went
         "requests": len(kept),
         "errors": sum(1 for s in kept if s[3] != 200),
         "tokens_per_s": round(sum(s[2] for s in kept) / window, 1),
@@ -235,7 +251,7 @@ def measure(args, name: str, interfaces: dict, requests: list[list], concurrenci
             print(
                 f"{name:8s} {interface:12s} c={concurrency:3d} {row['tokens_per_s']:10.0f} tok/s  "
                 f"p50 {row['p50_ms']:8.1f} ms  p99 {row['p99_ms']:8.1f} ms  errors {row['errors']}  "
-                f"cores {row['cores_used']}",
+                f"cores {row['cores_used']}  stages {row['server_timing_p50_ms'] or '-'}",
                 flush=True,
             )
     return rows

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -38,6 +38,10 @@ class Encoded:
     nbytes: int
     replica: str
     """The encoder replica's actor id: its objects are lost if it dies."""
+    queue_s: float = 0.0
+    """How long its pack waited at the replica for the device (0 for a cached result)."""
+    forward_s: float = 0.0
+    """The forward its pack ran in (0 for a cached result)."""
 
 
 def replica_failed(error: Exception) -> bool:
@@ -104,7 +108,7 @@ class EncodeQueue:
             cached = None if key is None else self.cache.get(key)
             if cached is not None:
                 self.metrics.cache_hits.inc()
-                waits.append(_done(cached))
+                waits.append(_done(replace(cached, queue_s=0.0, forward_s=0.0)))
                 continue
             shared = None if key is None else self.inflight.join(key)
             if shared is not None:
@@ -154,7 +158,10 @@ class EncodeQueue:
                 self.cache.forget_replica(error.actor_id)
             raise
         self.metrics.transfer_seconds.observe(max(0.0, time.perf_counter() - start - result.queue_s - result.forward_s))
-        return [Encoded(ref, nbytes, result.replica) for ref, nbytes in zip(result.outputs, result.item_bytes)]
+        return [
+            Encoded(ref, nbytes, result.replica, result.queue_s, result.forward_s)
+            for ref, nbytes in zip(result.outputs, result.item_bytes)
+        ]
 
     def _observe_pack(self, items: list[QueuedItem], budget: int | None) -> None:
         tokens = sum(item.spec.output_tokens for item in items)

@@ -60,6 +60,13 @@ def attach_hint(app_name: str) -> str:
     return f"{env}RAY_ADDRESS={address} python, then ray.init(); serve.get_app_handle({app_name!r})"
 
 
+def server_timing(seconds: dict[str, float]) -> str:
+    """A `Server-Timing` header (W3C): where the request's time went in the service, in ms.
+    `encode` is from the decoded items' queueing to their results (the router's queue, the trip
+    to the replica and back); `replica_queue` and `forward` are those of the slowest item's pack."""
+    return ", ".join(f"{name};dur={value * 1e3:.2f}" for name, value in seconds.items())
+
+
 DESCRIBE_TIMEOUT_S = 2.0
 """How long `/v1/models/{id}` waits for an encoder replica's own description."""
 
@@ -106,12 +113,19 @@ class EncoderRouter:
 
     # ---- the shared path ----
 
-    async def encode_raw(self, raws, use_cache: bool):
-        """Decode and encode request items: (decoded items, references to their results)."""
+    async def encode_raw(self, raws, use_cache: bool, timing: dict[str, float] | None = None):
+        """Decode and encode request items: (decoded items, references to their results). `timing`
+        gets the seconds each stage took."""
         start = time.perf_counter()
         decoded = await self.intake.decode(raws, self.queue.check_room, "" if use_cache else None)
-        self.metrics.preprocess_seconds.observe(time.perf_counter() - start)
+        decoded_at = time.perf_counter()
+        self.metrics.preprocess_seconds.observe(decoded_at - start)
         encoded = await self.queue.encode(decoded)
+        if timing is not None:
+            timing["decode"] = decoded_at - start
+            timing["encode"] = time.perf_counter() - decoded_at
+            timing["replica_queue"] = max((e.queue_s for e in encoded), default=0.0)
+            timing["forward"] = max((e.forward_s for e in encoded), default=0.0)
         if decoded:
             self.metrics.vision_tokens.inc(sum(d.spec.output_tokens for d in decoded))
         return decoded, encoded
@@ -122,19 +136,26 @@ class EncoderRouter:
     async def encode_http(self, body: EncodeRequest) -> Response:
         self.intake.check_item_count(len(body.items))
         raws = [raw_from_http(i, item) for i, item in enumerate(body.items)]
-        decoded, encoded = await self.encode_raw(raws, body.cache)
+        timing: dict[str, float] = {}
+        decoded, encoded = await self.encode_raw(raws, body.cache, timing)
+        fetch_start = time.perf_counter()
         outputs = await self.queue.fetch(encoded)
+        timing["fetch"] = time.perf_counter() - fetch_start
         self.embedding_bytes_received += sum(e.nbytes for e in encoded)
         results = [
             EncodeResult(i, d.spec.modality, d.spec.grid_thw, d.spec.output_tokens, e.ref, output)
             for i, (d, e, output) in enumerate(zip(decoded, encoded, outputs))
         ]
         model = self.config.model.model_id
+        serialize_start = time.perf_counter()
         if body.encoding_format == "safetensors":
             content = await asyncio.to_thread(encode_response_safetensors, model, results, body.dtype)
-            return Response(content=content, media_type="application/octet-stream")
-        content = await asyncio.to_thread(encode_response_json, model, results, body.encoding_format)
-        return Response(content=content, media_type="application/json")
+            media_type = "application/octet-stream"
+        else:
+            content = await asyncio.to_thread(encode_response_json, model, results, body.encoding_format)
+            media_type = "application/json"
+        timing["serialize"] = time.perf_counter() - serialize_start
+        return Response(content=content, media_type=media_type, headers={"Server-Timing": server_timing(timing)})
 
     @api.get("/health")
     async def health(self) -> JSONResponse:

@@ -101,9 +101,12 @@ def test_images_of_many_formats_and_modes_match_transformers(app, url, reference
     cases = images_in_many_formats()
     with serve_harness.http() as client:
         response = client.post(
-            url + "/v1/encode", json={"items": [{"type": "image", "image": b64(d)} for _, d in cases]}
+            url + "/v1/encode", json={"items": [{"type": "image", "image": b64(d)} for _, d in cases], "cache": False}
         )
     assert response.status_code == 200, response.text
+    stages = dict(part.strip().split(";dur=") for part in response.headers["Server-Timing"].split(","))
+    assert set(stages) == {"decode", "encode", "replica_queue", "forward", "fetch", "serialize"}, stages
+    assert float(stages["forward"]) > 0 and float(stages["encode"]) >= float(stages["forward"]), stages
     body = response.json()
     assert body["model"] == app.model_id
     assert [entry["index"] for entry in body["data"]] == list(range(len(cases)))
