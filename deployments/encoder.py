@@ -71,6 +71,18 @@ class Waiting:
 
 
 @dataclass
+class Ran:
+    """A forward's outcome, before its results are stored."""
+
+    per_pack: list
+    """Each pack's item outputs, or the exception its own run raised."""
+    started: float
+    forward_s: float
+    report: object
+    """The runner's report of that forward (`encoder_graphs.stats.PackReport`), None if it failed."""
+
+
+@dataclass
 class PackResult:
     """An encoded pack: per-item references into this replica's object store, and where the time went."""
 
@@ -144,6 +156,7 @@ class EncoderReplica:
         self.ladder = ladder
         self._waiting: list[Waiting] = []
         self._drain: asyncio.Task | None = None
+        self._storing: set[asyncio.Task] = set()
         self.forwards = 0
         self.merged_packs = 0
         self._lock = threading.Lock()
@@ -183,22 +196,26 @@ class EncoderReplica:
             self._inflight_tokens += inflight
 
     async def _run_waiting(self) -> None:
-        """Run the waiting packs, one forward at a time, the oldest first with those that fit beside it."""
-        while self._waiting:
-            batch = self._next_batch()
-            if not batch:  # every waiting caller gave up
-                continue
-            try:
-                results = await asyncio.to_thread(self._run, batch)
-            except Exception as error:
-                results = [error] * len(batch)
-            for waiting, result in zip(batch, results):
-                if waiting.future.done():
+        """Run the waiting packs, one forward at a time, the oldest first with those that fit beside
+        it. A forward's results are stored while the next forward runs."""
+        batch: list[Waiting] = []
+        try:
+            while self._waiting:
+                batch = self._next_batch()
+                if not batch:  # every waiting caller gave up
                     continue
-                if isinstance(result, BaseException):
-                    waiting.future.set_exception(result)
-                else:
-                    waiting.future.set_result(result)
+                try:
+                    ran = await asyncio.to_thread(self._compute, batch)
+                except Exception as error:
+                    ran = Ran([error] * len(batch), time.perf_counter(), 0.0, None)
+                store = asyncio.get_running_loop().create_task(self._deliver(batch, ran))
+                self._storing.add(store)
+                store.add_done_callback(self._storing.discard)
+                batch = []
+        finally:  # stopped abnormally (the replica shutting down): no caller waits forever
+            for waiting in batch + self._waiting:
+                if not waiting.future.done():
+                    waiting.future.set_exception(RuntimeError("the encoder replica stopped"))
 
     def _next_batch(self) -> list[Waiting]:
         live = []
@@ -207,82 +224,97 @@ class EncoderReplica:
                 self._count(queued=-waiting.pack.tokens)
             else:
                 live.append(waiting)
-        chosen = set(
-            merge_packs(
-                [w.size for w in live], self.ladder.budgets[-1], self.ladder.max_items, self.ladder.max_segments
-            )
-        )
+        ladder = self.ladder
+        chosen = set(merge_packs([w.size for w in live], ladder.budgets[-1], ladder.max_items, ladder.max_segments))
         self._waiting = [w for i, w in enumerate(live) if i not in chosen]
         return [w for i, w in enumerate(live) if i in chosen]
 
-    def _run(self, batch: list[Waiting]) -> list[PackResult | Exception]:
-        # One forward at a time on the device; the runner's device lock also keeps this forward's
-        # device-side preprocessing out of a warm-up capture.
+    def _compute(self, batch: list[Waiting]) -> Ran:
+        """The batch's packs as one forward (on the device, under its lock): each pack's outputs,
+        or the error of its own run alone if the merged forward failed."""
         packs = [waiting.pack for waiting in batch]
         tokens = sum(pack.tokens for pack in packs)
+        # The runner's device lock also keeps this forward's device-side preprocessing out of a
+        # warm-up capture.
         with self._lock, self.runner.device_lock:
             started = time.perf_counter()
             self._count(queued=-tokens, inflight=tokens)
             try:
                 outputs = self._forward(packs)
+                per_pack, offset = [], 0
+                for pack in packs:
+                    per_pack.append(outputs[offset : offset + len(pack.specs)])
+                    offset += len(pack.specs)
             except Exception as error:
                 exit_on_cuda_error(error)
-                if len(packs) == 1:
-                    raise
-                outputs = None  # merged: each pack runs alone below, so a failure stays its own
+                # merged: each pack runs alone, so a failure stays its own
+                per_pack = [error] if len(packs) == 1 else [self._alone(pack) for pack in packs]
             finally:
                 self._count(inflight=-tokens)
-            if outputs is None:
-                return [self._alone(waiting) for waiting in batch]
-            forward_s = time.perf_counter() - started
-        self.forwards += 1
-        self.merged_packs += len(packs)
-        # Into this replica's object store, outside the device lock: the next forward may start.
-        results, offset = [], 0
-        for waiting in batch:
-            count = len(waiting.pack.specs)
-            results.append(
-                self._result(outputs[offset : offset + count], started - waiting.arrived, forward_s, len(batch))
-            )
-            offset += count
+            failed = all(isinstance(outputs, Exception) for outputs in per_pack)
+            return Ran(per_pack, started, time.perf_counter() - started, None if failed else self.runner.stats.last)
+
+    def _alone(self, pack: PackRequest) -> list[ItemOutput] | Exception:
         try:
-            self._observe(packs, results)
+            return self._forward([pack])
+        except Exception as error:
+            exit_on_cuda_error(error)
+            return error
+
+    async def _deliver(self, batch: list[Waiting], ran: Ran) -> None:
+        try:
+            results = await asyncio.to_thread(self._store, batch, ran)
+        except Exception as error:
+            results = [error] * len(batch)
+        for waiting, result in zip(batch, results):
+            if waiting.future.done():
+                continue
+            if isinstance(result, BaseException):
+                waiting.future.set_exception(result)
+            else:
+                waiting.future.set_result(result)
+
+    def _store(self, batch: list[Waiting], ran: Ran) -> list[PackResult | Exception]:
+        """Each pack's outputs into this replica's object store (off the device lock: the next
+        forward runs meanwhile)."""
+        results: list[PackResult | Exception] = []
+        for waiting, outputs in zip(batch, ran.per_pack):
+            if isinstance(outputs, Exception):
+                results.append(outputs)
+                continue
+            try:
+                results.append(
+                    PackResult(
+                        [ray.put(out) for out in outputs],
+                        [output_bytes(out) for out in outputs],
+                        self.actor_id,
+                        queue_s=ran.started - waiting.arrived,
+                        forward_s=ran.forward_s,
+                        merged=len(batch),
+                    )
+                )
+            except Exception as error:
+                results.append(error)
+        self.forwards += 1
+        self.merged_packs += len(batch)
+        try:
+            self._observe([w.pack for w in batch], results, ran.report)
         except Exception:  # metrics must never fail a pack
             logger.exception("recording metrics failed")
         return results
 
-    def _alone(self, waiting: Waiting) -> PackResult | Exception:
-        """A pack of a failed merged forward, run on its own (the lock is held)."""
-        self._count(inflight=waiting.pack.tokens)
-        started = time.perf_counter()
-        try:
-            outputs = self._forward([waiting.pack])
-        except Exception as error:
-            exit_on_cuda_error(error)
-            return error
-        finally:
-            self._count(inflight=-waiting.pack.tokens)
-        return self._result(outputs, started - waiting.arrived, time.perf_counter() - started, 1)
-
-    def _result(self, outputs: list[ItemOutput], queue_s: float, forward_s: float, merged: int) -> PackResult:
-        return PackResult(
-            [ray.put(out) for out in outputs],
-            [output_bytes(out) for out in outputs],
-            self.actor_id,
-            queue_s=queue_s,
-            forward_s=forward_s,
-            merged=merged,
-        )
-
-    def _observe(self, packs: list[PackRequest], results: list[PackResult]) -> None:
-        metrics, report = self.metrics, self.runner.stats.last
-        tokens = sum(pack.tokens for pack in packs)
+    def _observe(self, packs: list[PackRequest], results: list[PackResult | Exception], report) -> None:
+        metrics = self.metrics
+        done = [r for r in results if isinstance(r, PackResult)]
+        tokens = sum(pack.tokens for pack, r in zip(packs, results) if isinstance(r, PackResult))
         if tokens:
             metrics.vision_tokens.inc(tokens)
         metrics.queued_tokens.set(self._queued_tokens)
-        for result in results:
+        for result in done:
             metrics.queue_seconds.observe(result.queue_s)
-        metrics.forward_seconds.observe(results[0].forward_s)
+        if not done or report is None:
+            return
+        metrics.forward_seconds.observe(done[0].forward_s)
         if report.graph and report.recurring:  # the pack's own graph: no padding computed
             metrics.graph_hits.inc(tags={"budget": "recurring"})
             metrics.computed_tokens.inc(report.real_tokens)

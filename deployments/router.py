@@ -124,8 +124,9 @@ class EncoderRouter:
         if timing is not None:
             timing["decode"] = decoded_at - start
             timing["encode"] = time.perf_counter() - decoded_at
-            timing["replica_queue"] = max((e.queue_s for e in encoded), default=0.0)
-            timing["forward"] = max((e.forward_s for e in encoded), default=0.0)
+            slowest = max(encoded, key=lambda e: e.queue_s + e.forward_s, default=None)
+            timing["replica_queue"] = 0.0 if slowest is None else slowest.queue_s
+            timing["forward"] = 0.0 if slowest is None else slowest.forward_s
         if decoded:
             self.metrics.vision_tokens.inc(sum(d.spec.output_tokens for d in decoded))
         return decoded, encoded

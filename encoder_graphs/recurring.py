@@ -64,6 +64,8 @@ class RecurringGraphs:
         entry = self.entries.get(key)
         if entry is not None:
             self.entries.move_to_end(key)
+            # a hit is a sighting too: it keeps the key's place among recent keys
+            self._sightings[key] = self._sightings.pop(key, self.config.recurring_after)
         return entry
 
     def earns(self, key: PackKey, specs: Sequence[ItemSpec]) -> bool:
@@ -89,16 +91,19 @@ class RecurringGraphs:
         return True
 
     def _reuse_distance(self, key: PackKey) -> int:
-        """Distinct keys seen since `key` was last seen, counted up to `recurring_graphs` (0 for a
-        new key). A key that recurs no more often than that many others would be evicted before
-        its next sighting: capturing it would cost a capture per sighting and save nothing."""
+        """Distinct keys that could hold a graph (not refused ones) seen since `key` was last seen,
+        counted up to `recurring_graphs` (0 for a new key). A key that recurs no more often than
+        that many others would be evicted before its next sighting: capturing it would cost a
+        capture per sighting and save nothing."""
         if key not in self._sightings:
             return 0
-        limit = self.config.recurring_graphs
-        for distance, other in enumerate(reversed(self._sightings)):
+        limit, distance = self.config.recurring_graphs, 0
+        for other in reversed(self._sightings):
             if other == key or distance >= limit:
-                return distance
-        return limit
+                break
+            if self._sightings[other] >= 0:
+                distance += 1
+        return distance
 
     def refuse(self, key: PackKey, why: str, detail: str = "") -> None:
         """Never try `key` again (counted per reason)."""

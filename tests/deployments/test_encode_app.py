@@ -339,24 +339,31 @@ def test_packs_waiting_at_a_replica_run_merged_and_each_gets_its_own_items(app, 
 
     encoder, tower = reference
     pre = encoder.preprocessor
-    files = [image_file(pattern(96 + 16 * i, 80, seed=70 + i), "PNG") for i in range(6)]
-    packs = []
-    for pack_id, data in enumerate(files):
+    files = [image_file(pattern(96 + 16 * i, 80, seed=70 + i), "PNG") for i in range(7)]
+
+    def item(data):
         pixels = torch.from_numpy(np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))).permute(2, 0, 1)
-        spec = pre.image_spec(*pixels.shape[-2:])
-        packs.append(PackRequest(10_000 + pack_id, "image", [pre.resize_image(pixels.contiguous())], [spec]))
+        return pre.resize_image(pixels.contiguous()), pre.image_spec(*pixels.shape[-2:])
+
+    groups = [files[:2]] + [[f] for f in files[2:]]  # the first pack holds two items
+    packs = []
+    for pack_id, group in enumerate(groups):
+        pixels, specs = zip(*(item(data) for data in group))
+        packs.append(PackRequest(10_000 + pack_id, "image", list(pixels), list(specs)))
     replica = serve.get_deployment_handle("EncoderReplica", app_name=app.name)
     before = replica.describe.remote().result()
     results = [r.result() for r in [replica.encode_pack.remote(pack) for pack in packs]]
     after = replica.describe.remote().result()
     forwards = after["forwards"] - before["forwards"]
     assert forwards < len(packs) and max(r.merged for r in results) > 1, (forwards, [r.merged for r in results])
-    for data, result in zip(files, results):
-        tokens, deepstack, _ = reference_image(encoder, tower, data)
-        output = ray.get(result.outputs[0])
-        assert relative_error(output.tokens, tokens) <= TOLERANCE
-        if deepstack is not None:
-            assert relative_error(output.deepstack, deepstack) <= TOLERANCE
+    for group, result in zip(groups, results):
+        assert len(result.outputs) == len(group)
+        for data, ref in zip(group, result.outputs):
+            tokens, deepstack, _ = reference_image(encoder, tower, data)
+            output = ray.get(ref)
+            assert relative_error(output.tokens, tokens) <= TOLERANCE
+            if deepstack is not None:
+                assert relative_error(output.deepstack, deepstack) <= TOLERANCE
 
 
 def test_handle_refuses_unsupported_items_with_a_clear_error(app, url):

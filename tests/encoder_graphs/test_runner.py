@@ -625,6 +625,19 @@ def test_packs_that_recur_among_more_keys_than_are_kept_get_no_graph(qwen3):
     assert_matches_reference(reference, *hot, runner.run(*hot))
     assert runner.stats.last.recurring
 
+    # Keys that hold graphs count among the others when they are hit: two packs with graphs and
+    # a third in rotation with them would evict one per capture, so the third gets none
+    runner = warmed(encoder, GraphConfig(max_budget_tokens=1024, recurring_graphs=2))
+    a, b, c = rotation
+    for pixels, specs in (a, a, b, b):
+        runner.run(pixels, specs)
+    assert runner.stats.recurring_captured == 2
+    for _ in range(4):
+        for pixels, specs in (a, b, c):
+            runner.run(pixels, specs)
+    assert runner.stats.recurring_captured == 2 and runner.stats.recurring_evicted == 0
+    assert runner.stats.recurring_hits == 8
+
 
 def reordered(pixels, specs, order):
     offsets = np.cumsum([0] + [s.input_patches for s in specs])
