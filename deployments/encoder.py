@@ -336,6 +336,9 @@ class EncoderReplica:
         pixels = [p for pack in packs for p in pack.pixels]
         specs = [spec for pack in packs for spec in pack.specs]
         pixel_values = self.encoder.preprocessor.pixel_values(pixels, packs[0].modality, device=self.encoder.device)
+        expected = sum(spec.input_patches for spec in specs)
+        if pixel_values.shape[0] != expected:  # the graphs would read rows that are not there
+            raise ValueError(f"the pack's pixels make {pixel_values.shape[0]} patches, its specs say {expected}")
         # One device-to-host copy for the whole forward; items are views of it.
         return self.runner.run(pixel_values.to(self.encoder.dtype), specs, output_device="cpu")
 

@@ -366,6 +366,35 @@ def test_packs_waiting_at_a_replica_run_merged_and_each_gets_its_own_items(app, 
                 assert relative_error(output.deepstack, deepstack) <= TOLERANCE
 
 
+def test_a_pack_that_fails_in_a_merged_forward_fails_alone(app, reference):
+    """A pack whose pixels do not match its specs fails with its own error; the packs merged with
+    it are rerun on their own and come back right."""
+    import ray
+
+    from deployments.encoder import PackRequest
+
+    encoder, tower = reference
+    pre = encoder.preprocessor
+    files = [image_file(pattern(96 + 16 * i, 80, seed=80 + i), "PNG") for i in range(5)]
+
+    def item(data):
+        pixels = torch.from_numpy(np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))).permute(2, 0, 1)
+        return pre.resize_image(pixels.contiguous()), pre.image_spec(*pixels.shape[-2:])
+
+    items = [item(data) for data in files]
+    packs = [PackRequest(20_000 + i, "image", [pixels], [spec]) for i, (pixels, spec) in enumerate(items)]
+    packs[2] = PackRequest(20_002, "image", [items[2][0]], [pre.image_spec(448, 448)])  # not its size
+    replica = serve.get_deployment_handle("EncoderReplica", app_name=app.name)
+    responses = [replica.encode_pack.remote(pack) for pack in packs]
+    with pytest.raises(ValueError, match="patches, its specs say"):
+        responses[2].result()
+    for index, data in enumerate(files):
+        if index == 2:
+            continue
+        tokens, _, _ = reference_image(encoder, tower, data)
+        assert relative_error(ray.get(responses[index].result().outputs[0]).tokens, tokens) <= TOLERANCE
+
+
 def test_handle_refuses_unsupported_items_with_a_clear_error(app, url):
     handle = serve.get_app_handle(app.name)
     for bad in (12345, "a string", {"type": "video", "frames": [1, 2]}, {"type": "audio"}):
