@@ -179,15 +179,17 @@ def http_load(url: str, bodies: list[bytes], fmt: str, concurrency: int, seconds
 
 
 async def handle_load(call, requests: list[list], concurrency: int, seconds: float) -> list:
-    """`call(items) -> tokens` awaited in a closed loop by `concurrency` callers."""
+    """`call(items) -> tokens` (or `(tokens, the service's stages in ms)`) awaited in a closed loop
+    by `concurrency` callers."""
     samples, stop = [], time.perf_counter() + seconds
 
     async def client(worker: int) -> None:
         n = worker
         while time.perf_counter() < stop:
             start = time.perf_counter()
-            tokens = await call(requests[n % len(requests)])
-            samples.append((start, time.perf_counter(), tokens, 200))
+            out = await call(requests[n % len(requests)])
+            tokens, stages = out if isinstance(out, tuple) else (out, {})
+            samples.append((start, time.perf_counter(), tokens, 200, stages))
             n += concurrency
 
     await asyncio.gather(*(client(w) for w in range(concurrency)))
@@ -388,7 +390,7 @@ def run_ours(args, requests: list[list]) -> dict:
         async def call(items: list) -> int:
             results = await handle.encode.remote(handle_items(items), cache=False)
             await asyncio.gather(*(r.fetch() for r in results))
-            return sum(int(r.embedding.shape[0]) for r in results)
+            return sum(int(r.embedding.shape[0]) for r in results), results[0].timing_ms
 
         url = startup["url"]
         interfaces = {

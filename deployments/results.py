@@ -38,6 +38,8 @@ class ItemRef:
     """Output tokens (rows of `embedding`)."""
     ref: Any
     """`ray.ObjectRef` resolving to a `models.protocol.ItemOutput` (tokens, deepstack)."""
+    timing_ms: dict[str, float] = field(default_factory=dict, compare=False)
+    """Where the request's time went in the service, as HTTP's `Server-Timing` header says it."""
 
 
 @dataclass

@@ -223,15 +223,17 @@ class EncoderRouter:
         """Encode PIL images, encoded image bytes, or {"type": "video", "frames": [...] | "video": bytes}
         dicts. Returns `EncodeResult`s (tensors read from the encoder replica on first use) or, with
         `as_refs`, `ItemRef`s (metadata and the reference only)."""
+        timing: dict[str, float] = {}
         try:
             raws = [raw_from_python(index, item) for index, item in enumerate(items)]
-            decoded, encoded = await self.encode_raw(raws, cache)
+            decoded, encoded = await self.encode_raw(raws, cache, timing)
         except RequestError as error:  # over HTTP the exception handler counts it
             self.count_rejection(error.status)
             raise
         kind = ItemRef if as_refs else EncodeResult
+        timing_ms = {stage: round(seconds * 1e3, 3) for stage, seconds in timing.items()}
         return [
-            kind(i, d.spec.modality, d.spec.grid_thw, d.spec.output_tokens, e.ref)
+            kind(i, d.spec.modality, d.spec.grid_thw, d.spec.output_tokens, e.ref, timing_ms)
             for i, (d, e) in enumerate(zip(decoded, encoded))
         ]
 

@@ -300,6 +300,7 @@ def test_handle_results_come_from_the_encoder_replica_not_through_the_router(app
         after = model_detail(client, url)["router"]["embedding_bytes_received"]
     assert after == before
     assert isinstance(results[0], EncodeResult) and type(refs[0]) is ItemRef and not hasattr(refs[0], "embedding")
+    assert set(results[0].timing_ms) == {"decode", "encode", "replica_queue", "forward"}, results[0].timing_ms
     del response
     gc.collect()
     expected = [reference_image(encoder, tower, f) for f in files]
