@@ -23,7 +23,7 @@ import torch
 from ray import serve
 
 from encoder_graphs.config import Ladder
-from encoder_graphs.packing import PackSize, merge_packs
+from encoder_graphs.packing import PackItem, pack_items
 from encoder_graphs.runner import EncoderRunner
 from models import from_checkpoint, from_preset
 from models.protocol import ItemOutput, ItemSpec, from_wire, to_wire
@@ -64,10 +64,10 @@ class Waiting:
     arrived: float
     future: asyncio.Future
 
-    @property
-    def size(self) -> PackSize:
+    def as_item(self, key: int) -> PackItem:
+        """The pack as one item of the packer: its tokens, segments and item count."""
         specs = self.pack.specs
-        return PackSize(self.pack.modality, self.pack.tokens, len(specs), sum(s.grid_thw[0] for s in specs))
+        return PackItem(key, self.pack.modality, self.pack.tokens, sum(s.segments for s in specs), len(specs))
 
 
 @dataclass
@@ -224,8 +224,14 @@ class EncoderReplica:
                 self._count(queued=-waiting.pack.tokens)
             else:
                 live.append(waiting)
+        if not live:
+            self._waiting = []
+            return []
         ladder = self.ladder
-        chosen = set(merge_packs([w.size for w in live], ladder.budgets[-1], ladder.max_items, ladder.max_segments))
+        first = pack_items(
+            [w.as_item(i) for i, w in enumerate(live)], ladder.budgets, ladder.max_items, ladder.max_segments
+        )[0]
+        chosen = {item.key for item in first.items}  # the oldest pack and those that fit beside it
         self._waiting = [w for i, w in enumerate(live) if i not in chosen]
         return [w for i, w in enumerate(live) if i in chosen]
 

@@ -184,7 +184,7 @@ class PackScheduler:
         if not live:
             return None
         by_key = {id(item): item for item in live}
-        queue = [PackItem(id(i), i.spec.modality, i.spec.output_tokens, i.spec.grid_thw[0]) for i in live]
+        queue = [PackItem(id(i), i.spec.modality, i.spec.output_tokens, i.spec.segments) for i in live]
         now = time.monotonic()
         next_deadline = None
         sent: set[int] = set()
@@ -208,7 +208,7 @@ class PackScheduler:
         return self._max_inflight is None or len(self._tasks) < self._max_inflight()
 
     def _closed(self, pack, items: list[QueuedItem]) -> bool:
-        segments = sum(item.spec.grid_thw[0] for item in items)
+        segments = sum(item.spec.segments for item in items)
         return (
             pack.token_budget is None
             or pack.tokens >= self.target_fill * self.ladder[-1]

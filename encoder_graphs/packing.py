@@ -10,8 +10,8 @@ Rules (property-tested):
 - an item larger than the largest budget goes alone, flagged to run eagerly.
 
 `split_items` is the runner's side of the same problem: a pack just over a budget, re-packed
-into a few packs of the next smaller budget. `merge_packs` is the replica's: packs waiting for
-the device (from several routers) that run as one forward.
+into a few packs of the next smaller budget. A replica merges the packs waiting for its device
+(from several routers) by the same rule, each pack a `PackItem` standing for its items.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ class PackItem:
     """Tokens the item produces (its share of a budget)."""
     segments: int = 1
     """Attention segments it needs (1 per image; a video has one per temporal patch)."""
+    count: int = 1
+    """Items it stands for, against `max_items` (a whole pack, where a replica merges packs)."""
 
 
 @dataclass(frozen=True)
@@ -58,39 +60,6 @@ class Pack:
         return 1.0 if self.token_budget is None else self.tokens / self.token_budget
 
 
-@dataclass(frozen=True)
-class PackSize:
-    """A pack waiting at a replica, as the merger sees it."""
-
-    modality: str
-    tokens: int
-    items: int
-    segments: int
-
-
-def merge_packs(waiting: Sequence[PackSize], largest: int, max_items: int, max_segments: int) -> list[int]:
-    """Indices of the waiting packs (oldest first) that run as one forward: the oldest, and each
-    later one of its modality that still fits the largest budget, `max_items` and `max_segments`
-    (first fit). An oldest pack over the largest budget runs alone."""
-    if not waiting:
-        return []
-    first = waiting[0]
-    chosen = [0]
-    if first.tokens > largest:
-        return chosen
-    tokens, items, segments = first.tokens, first.items, first.segments
-    for index, pack in enumerate(waiting[1:], start=1):
-        if (
-            pack.modality == first.modality
-            and tokens + pack.tokens <= largest
-            and items + pack.items <= max_items
-            and segments + pack.segments <= max_segments
-        ):
-            chosen.append(index)
-            tokens, items, segments = tokens + pack.tokens, items + pack.items, segments + pack.segments
-    return chosen
-
-
 def pack_items(
     queue: Sequence[PackItem], ladder: Sequence[int], max_items: int, max_segments: int | None = None
 ) -> list[Pack]:
@@ -104,11 +73,11 @@ def pack_items(
         if first.output_tokens > largest:
             packs.append(Pack((first,), None))
             continue
-        chosen, tokens, segments, rest = [first], first.output_tokens, first.segments, []
+        chosen, tokens, segments, count, rest = [first], first.output_tokens, first.segments, first.count, []
         for item in remaining:
             fits = (
                 item.modality == first.modality
-                and len(chosen) < max_items
+                and count + item.count <= max_items
                 and tokens + item.output_tokens <= largest
                 and segments + item.segments <= max_segments
             )
@@ -116,6 +85,7 @@ def pack_items(
                 chosen.append(item)
                 tokens += item.output_tokens
                 segments += item.segments
+                count += item.count
             else:
                 rest.append(item)
         remaining = rest

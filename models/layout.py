@@ -106,7 +106,7 @@ def padded_rows(
 def exact_layout(specs: Sequence[ItemSpec]) -> PackLayout:
     """The unpadded layout of exactly these items: their tokens, longest frame and frames."""
     tokens = sum(s.output_tokens for s in specs)
-    segments = sum(s.grid_thw[0] for s in specs)
+    segments = sum(s.segments for s in specs)
     return PackLayout(tokens, max((s.frame_patches for s in specs), default=1), segments)
 
 

@@ -36,6 +36,11 @@ class ItemSpec:
         """Patches in one temporal slice: the length of one attention segment."""
         return self.grid_thw[1] * self.grid_thw[2]
 
+    @property
+    def segments(self) -> int:
+        """Attention segments: one per temporal slice (InternVL: per tile)."""
+        return self.grid_thw[0]
+
 
 @dataclass(frozen=True)
 class PackLayout:
@@ -111,7 +116,7 @@ def _item_output_from_arrays(tokens, deepstack) -> ItemOutput:
 
 def segment_lengths(specs: Sequence[ItemSpec]) -> list[int]:
     """Attention segment lengths of items in pack order: one per frame (temporal patch)."""
-    return [s.frame_patches for s in specs for _ in range(s.grid_thw[0])]
+    return [s.frame_patches for s in specs for _ in range(s.segments)]
 
 
 def segment_groups(lengths: Sequence[int]) -> list[tuple[int, int]]:

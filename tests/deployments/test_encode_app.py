@@ -331,6 +331,12 @@ def test_a_caller_writing_into_its_result_changes_nobody_elses(app, url, referen
         assert relative_error(again.deepstack, deepstack) <= TOLERANCE
 
 
+def resized_item(pre, data: bytes):
+    """(uint8 pixels as the router sends them, spec) of an image file, for packs sent to a replica."""
+    pixels = torch.from_numpy(np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))).permute(2, 0, 1)
+    return pre.resize_image(pixels.contiguous()), pre.image_spec(*pixels.shape[-2:])
+
+
 def test_packs_waiting_at_a_replica_run_merged_and_each_gets_its_own_items(app, reference):
     """Packs that reach a replica while it computes (from any router) run as one forward where
     they fit; each pack's results are its own items', equal to transformers item by item."""
@@ -342,14 +348,10 @@ def test_packs_waiting_at_a_replica_run_merged_and_each_gets_its_own_items(app, 
     pre = encoder.preprocessor
     files = [image_file(pattern(96 + 16 * i, 80, seed=70 + i), "PNG") for i in range(7)]
 
-    def item(data):
-        pixels = torch.from_numpy(np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))).permute(2, 0, 1)
-        return pre.resize_image(pixels.contiguous()), pre.image_spec(*pixels.shape[-2:])
-
     groups = [files[:2]] + [[f] for f in files[2:]]  # the first pack holds two items
     packs = []
     for pack_id, group in enumerate(groups):
-        pixels, specs = zip(*(item(data) for data in group))
+        pixels, specs = zip(*(resized_item(pre, data) for data in group))
         packs.append(PackRequest(10_000 + pack_id, "image", list(pixels), list(specs)))
     replica = serve.get_deployment_handle("EncoderReplica", app_name=app.name)
     before = replica.describe.remote().result()
@@ -378,11 +380,7 @@ def test_a_pack_that_fails_in_a_merged_forward_fails_alone(app, reference):
     pre = encoder.preprocessor
     files = [image_file(pattern(96 + 16 * i, 80, seed=80 + i), "PNG") for i in range(5)]
 
-    def item(data):
-        pixels = torch.from_numpy(np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))).permute(2, 0, 1)
-        return pre.resize_image(pixels.contiguous()), pre.image_spec(*pixels.shape[-2:])
-
-    items = [item(data) for data in files]
+    items = [resized_item(pre, data) for data in files]
     packs = [PackRequest(20_000 + i, "image", [pixels], [spec]) for i, (pixels, spec) in enumerate(items)]
     packs[2] = PackRequest(20_002, "image", [items[2][0]], [pre.image_spec(448, 448)])  # not its size
     replica = serve.get_deployment_handle("EncoderReplica", app_name=app.name)

@@ -17,7 +17,7 @@ from encoder_graphs.budgets import (
     validate_ladder,
 )
 from encoder_graphs.config import GraphConfig, Ladder, budget_ladder
-from encoder_graphs.packing import PackItem, PackSize, merge_packs, pack_items, split_items
+from encoder_graphs.packing import PackItem, pack_items, split_items
 
 
 @given(st.integers(1, 5000), st.integers(1, 70000), st.sampled_from([1.25, 1.5, 2.0, 3.0]))
@@ -152,7 +152,9 @@ def test_segment_capacity_rejects_nonpositive():
 
 
 items_strategy = st.lists(
-    st.tuples(st.sampled_from(["image", "video"]), st.integers(1, 3000), st.integers(1, 12)), min_size=0, max_size=60
+    st.tuples(st.sampled_from(["image", "video"]), st.integers(1, 3000), st.integers(1, 12), st.integers(1, 4)),
+    min_size=0,
+    max_size=60,
 )
 
 
@@ -166,9 +168,9 @@ items_strategy = st.lists(
 def test_packing_invariants(raw_items, budgets, max_items, max_segments):
     ladder = tuple(sorted(budgets))
     max_items = min(max_items, ladder[0])
-    queue = [
-        PackItem(i, modality, tokens, segments if modality == "video" else 1)
-        for i, (modality, tokens, segments) in enumerate(raw_items)
+    queue = [  # `count` > 1: a whole pack, as a replica merges them
+        PackItem(i, modality, tokens, segments if modality == "video" else 1, count)
+        for i, (modality, tokens, segments, count) in enumerate(raw_items)
     ]
     packs = pack_items(queue, ladder, max_items, max_segments)
 
@@ -177,7 +179,7 @@ def test_packing_invariants(raw_items, budgets, max_items, max_segments):
     first_keys = []
     for pack in packs:
         assert len({item.modality for item in pack.items}) == 1
-        assert len(pack.items) <= max_items
+        assert len(pack.items) == 1 or sum(item.count for item in pack.items) <= max_items
         assert len(pack.items) == 1 or sum(item.segments for item in pack.items) <= max_segments
         keys = [item.key for item in pack.items]
         assert keys == sorted(keys)  # arrival order inside a pack
@@ -255,45 +257,14 @@ def test_sampled_budgets_span_the_ladder_on_a_log_scale():
     assert set(sampled) <= set(ladder) and sample_budgets((64, 256), 5) == (64, 256)
 
 
-waiting_packs = st.lists(
-    st.builds(
-        PackSize,
-        modality=st.sampled_from(["image", "video"]),
-        tokens=st.integers(1, 600),
-        items=st.integers(1, 6),
-        segments=st.integers(1, 12),
-    ),
-    max_size=12,
-)
-
-
-@settings(max_examples=200, deadline=None)
-@given(waiting_packs, st.integers(64, 1024), st.integers(1, 16), st.integers(1, 24))
-def test_merged_packs_start_with_the_oldest_and_stay_within_every_limit(waiting, largest, max_items, max_segments):
-    chosen = merge_packs(waiting, largest, max_items, max_segments)
-    if not waiting:
-        assert chosen == []
-        return
-    assert chosen[0] == 0 and chosen == sorted(set(chosen))
-    merged = [waiting[i] for i in chosen]
-    assert {p.modality for p in merged} == {waiting[0].modality}
-    if len(merged) > 1:
-        assert sum(p.tokens for p in merged) <= largest
-        assert sum(p.items for p in merged) <= max_items
-        assert sum(p.segments for p in merged) <= max_segments
-    # first fit: every pack left out would not have fitted beside those before it
-    for index, pack in enumerate(waiting[1:], start=1):
-        if index in chosen or pack.modality != waiting[0].modality or waiting[0].tokens > largest:
-            continue
-        before = [waiting[i] for i in chosen if i < index]
-        assert (
-            sum(p.tokens for p in before) + pack.tokens > largest
-            or sum(p.items for p in before) + pack.items > max_items
-            or sum(p.segments for p in before) + pack.segments > max_segments
-        )
-
-
-def test_packs_of_several_routers_merge_at_the_replica():
-    small = PackSize("image", 64, 1, 1)
-    assert merge_packs([small, PackSize("video", 64, 1, 2), small, small], 160, 8, 8) == [0, 2]
-    assert merge_packs([PackSize("image", 2000, 1, 1), small], 1024, 8, 8) == [0]  # oversize: alone
+def test_packs_of_several_routers_merge_at_the_replica_counting_their_items():
+    """A waiting pack is one item of the packer standing for its items (`count`)."""
+    waiting = [
+        PackItem(0, "image", 64, 2, count=2),
+        PackItem(1, "video", 64, 2),
+        PackItem(2, "image", 64, 1, count=5),  # 2 + 5 items > max_items 6
+        PackItem(3, "image", 64, 1, count=3),
+        PackItem(4, "image", 64, 1),  # 192 tokens with 0 and 3: the 256 budget
+    ]
+    first = pack_items(waiting, (128, 256), max_items=6, max_segments=8)[0]
+    assert [item.key for item in first.items] == [0, 3, 4] and first.token_budget == 256
