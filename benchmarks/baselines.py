@@ -68,7 +68,7 @@ class TowerReplica:
             count = grid[0] * grid[1] * grid[2] // self.preprocessor.merge_unit
             layers = None if stacked is None else stacked[:, start : start + count]
             output = ItemOutput(tokens[start : start + count], layers)
-            results.append(EncodeResult(index, kind, tuple(grid), count, None, output))
+            results.append(EncodeResult(index, kind, tuple(grid), count, None, _output=output))
             start += count
         return results
 

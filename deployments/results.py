@@ -38,7 +38,7 @@ class ItemRef:
     """Output tokens (rows of `embedding`)."""
     ref: Any
     """`ray.ObjectRef` resolving to a `models.protocol.ItemOutput` (tokens, deepstack)."""
-    timing_ms: dict[str, float] = field(default_factory=dict, compare=False)
+    timing_ms: dict[str, float] = field(default_factory=dict, compare=False, kw_only=True)
     """Where the request's time went in the service, as HTTP's `Server-Timing` header says it."""
 
 

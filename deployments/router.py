@@ -144,7 +144,7 @@ class EncoderRouter:
         timing["fetch"] = time.perf_counter() - fetch_start
         self.embedding_bytes_received += sum(e.nbytes for e in encoded)
         results = [
-            EncodeResult(i, d.spec.modality, d.spec.grid_thw, d.spec.output_tokens, e.ref, output)
+            EncodeResult(i, d.spec.modality, d.spec.grid_thw, d.spec.output_tokens, e.ref, _output=output)
             for i, (d, e, output) in enumerate(zip(decoded, encoded, outputs))
         ]
         model = self.config.model.model_id
@@ -233,7 +233,7 @@ class EncoderRouter:
         kind = ItemRef if as_refs else EncodeResult
         timing_ms = {stage: round(seconds * 1e3, 3) for stage, seconds in timing.items()}
         return [
-            kind(i, d.spec.modality, d.spec.grid_thw, d.spec.output_tokens, e.ref, timing_ms)
+            kind(i, d.spec.modality, d.spec.grid_thw, d.spec.output_tokens, e.ref, timing_ms=timing_ms)
             for i, (d, e) in enumerate(zip(decoded, encoded))
         ]
 
