@@ -4,8 +4,8 @@
 `InternVLMultiModalProjector` (their state-dict keys are the full VLM's, less the `model.`
 prefix) and runs their modules in `get_image_features`' order: patch embedding, class token,
 position embeddings, the encoder layers up to `vision_feature_layer`, the class token dropped
-(`vision_feature_select_strategy: default`), pixel shuffle (transformers' own
-`InternVLModel.pixel_shuffle`), projector. What changes is the input: rows of patches, cut
+(`vision_feature_select_strategy: default`), pixel shuffle (`InternVLModel.pixel_shuffle`'s
+reshapes, with the tile's sizes as constants), projector. What changes is the input: rows of patches, cut
 into tiles of `tile_patches` rows (the last one zero-padded), instead of `[tiles, 3, H, W]`
 pixels, so the patch embedding's Conv2d runs as the matmul it is (kernel = stride). Attention
 is plain SDPA over `[tiles, heads, 1 + tile_patches, head_dim]`: each tile attends only to
@@ -16,11 +16,7 @@ from __future__ import annotations
 
 import torch
 from transformers import InternVLConfig
-from transformers.models.internvl.modeling_internvl import (
-    InternVLModel,
-    InternVLMultiModalProjector,
-    InternVLVisionModel,
-)
+from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector, InternVLVisionModel
 
 RANDOM_EMBEDDING_STD = 0.02
 """Std of the class token and position embeddings drawn for random-weight towers."""
@@ -35,6 +31,16 @@ def randomize_embeddings(vision_tower: torch.nn.Module, generator: torch.Generat
             if parameter is not None:
                 values = torch.randn(parameter.shape, generator=generator, device="cpu") * RANDOM_EMBEDDING_STD
                 parameter.copy_(values.to(parameter.dtype))
+
+
+def pixel_shuffle(features: torch.Tensor, side: int) -> torch.Tensor:
+    """`InternVLModel.pixel_shuffle`'s reshapes for a downsampling to `side` x `side`:
+    `[tiles, width, height, channels]` -> `[tiles, side, side, channels * (height / side)^2]`. Its
+    own version computes the sizes from `height * scale_factor` and checks `height % scale_factor`,
+    which `torch.compile(dynamic=True)` cannot guard (a float modulus on a symbolic size)."""
+    tiles, width = features.shape[:2]
+    features = features.reshape(tiles, width, side, -1).permute(0, 2, 1, 3)
+    return features.reshape(tiles, side, side, -1).permute(0, 2, 1, 3).contiguous()
 
 
 def _feature_layers(config: InternVLConfig) -> tuple[int, bool]:
@@ -72,6 +78,10 @@ class InternVLVisionTower(torch.nn.Module):
         self.patch_size = patch_h
         self.tile_side = height // patch_h
         self.tile_patches = self.tile_side**2
+        shuffled = self.tile_side * config.downsample_ratio
+        if shuffled != int(shuffled):
+            raise ValueError(f"downsample_ratio {config.downsample_ratio} does not divide {self.tile_side} patches a side")
+        self.shuffled_side = int(shuffled)
         self.merge_unit = round(1 / config.downsample_ratio) ** 2
         self.layers, self.final_norm = _feature_layers(config)
 
@@ -112,7 +122,6 @@ class InternVLVisionTower(torch.nn.Module):
         if self.final_norm:
             hidden = self.vision_tower.layernorm(hidden)
         features = hidden[:, 1:].reshape(tiles, self.tile_side, self.tile_side, -1)
-        # `pixel_shuffle` reads nothing from the model it is a method of.
-        features = InternVLModel.pixel_shuffle(None, features, scale_factor=self.config.downsample_ratio)
+        features = pixel_shuffle(features, self.shuffled_side)
         tokens = self.multi_modal_projector(features.reshape(tiles, -1, features.shape[-1]))
         return tokens.reshape(-1, tokens.shape[-1])[: rows // self.merge_unit]

@@ -233,3 +233,14 @@ def test_zero_sized_items_are_refused(encoder):
         encoder.preprocessor.image_spec(0, 10)
     with pytest.raises(InvalidItemError, match="no frames"):
         encoder.preprocessor.video_spec(0, 10, 10)
+
+
+def test_tower_compiles_with_dynamic_tile_counts(encoder):
+    """`torch.compile(dynamic=True)` traces the tower once for every tile count (transformers' own
+    pixel shuffle made dynamo fail building a guard on `height % 0.5`)."""
+    tower = encoder.tower
+    compiled = torch.compile(tower.forward, dynamic=True, backend="aot_eager")
+    for tiles in (2, 3, 5):
+        rows = torch.randn(tiles * tower.tile_patches, encoder.patch_dim)
+        with torch.no_grad():
+            assert torch.equal(compiled(rows), tower(rows))
