@@ -78,6 +78,13 @@ class RouterSettings(_Strict):
     retry_after_s: int = Field(1, ge=0, description="Retry-After header value on 503.")
     request_timeout_s: float = Field(120.0, gt=0, description="A request not done by then fails with 504.")
     pack_retries: int = Field(1, ge=0, description="Times a pack is resent when its encoder replica dies.")
+    handle_hold_s: float = Field(
+        5.0,
+        ge=0,
+        description="Seconds the router keeps its reference to each result it hands a Python handle caller "
+        "(works around ray-project/ray#58080, which can free a result before the caller reads it; the "
+        "object store keeps results at least this long).",
+    )
     cache_bytes: int = Field(
         256 * MiB, ge=0, description="Embedding cache size per router replica (0 turns the cache off)."
     )

@@ -30,6 +30,7 @@ from .fleet import EncoderFleet
 from .http import create_api
 from .intake import Intake, raw_from_http, raw_from_python
 from .metrics import RouterMetrics, refresh_gauges
+from .ref_hold import ReferenceHold
 from .responses import encode_response_json, encode_response_safetensors
 from .results import EncodeResult, ItemRef
 from .schemas import EncodeRequest
@@ -83,6 +84,7 @@ class EncoderRouter:
         self.rejected: dict[str, int] = {}
         self.embedding_bytes_received = 0
         """Embedding bytes this router read from the object store (HTTP responses only)."""
+        self.handed_out = ReferenceHold(config.router.handle_hold_s)
         self.family, _ = load_preprocessor(config.model.preset, config.model.family, config.model.path)
         self.ladder = ladder.budgets  # the app builder's, as every encoder replica's
         self.fleet = EncoderFleet(serve.get_replica_context().app_name)
@@ -232,6 +234,7 @@ class EncoderRouter:
             raise
         kind = ItemRef if as_refs else EncodeResult
         timing_ms = {stage: round(seconds * 1e3, 3) for stage, seconds in timing.items()}
+        self.handed_out.hold([e.ref for e in encoded])
         return [
             kind(i, d.spec.modality, d.spec.grid_thw, d.spec.output_tokens, e.ref, timing_ms=timing_ms)
             for i, (d, e) in enumerate(zip(decoded, encoded))
@@ -265,6 +268,7 @@ class EncoderRouter:
             **self.queue.stats(),
             "rejected": dict(self.rejected),
             "embedding_bytes_received": self.embedding_bytes_received,
+            "handle_refs_held": len(self.handed_out),
             "decode_pool": self.intake.describe(),
             "pid": os.getpid(),
             "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
