@@ -46,6 +46,13 @@ class ModelSettings(_Strict):
         "newer, else cudnn where it can serve, else flash). Equal unpadded segments run dense cuDNN SDPA "
         "under each (under triton: in CUDA graphs only, and not long ones at Qwen3-VL's head dim).",
     )
+    switch_interval_ms: float = Field(
+        0.2,
+        gt=0,
+        description="The encoder replica process's GIL switch interval (`sys.setswitchinterval`). Each torch "
+        "op of a forward releases the GIL and takes it back; at Python's default 5 ms, a busy event loop or "
+        "the background compile holds it meanwhile and small ops wait hundreds of times longer than they run.",
+    )
 
     @model_validator(mode="after")
     def _check_preset(self) -> ModelSettings:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -139,6 +140,7 @@ def load_encoder(config: AppConfig):
 class EncoderReplica:
     def __init__(self, config: AppConfig, ladder: Ladder):
         start = time.perf_counter()
+        sys.setswitchinterval(config.model.switch_interval_ms / 1e3)
         if config.model.device == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads()))
         self.encoder = load_encoder(config)
