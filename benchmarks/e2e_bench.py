@@ -234,10 +234,24 @@ def serve_cpu_seconds() -> dict[str, float]:
     return used
 
 
-def measure(args, name: str, interfaces: dict, requests: list[list], concurrencies: list[int]) -> dict:
-    """`interfaces`: name -> ("http", url, format) or ("handle", call). Each point records the
-    cores the Serve processes used during it (is the router the limit?)."""
-    rows: dict = {}
+class Record(dict):
+    """One system's results, written to `<out>/e2e_<system>.json` after every point: a run stopped
+    early (a time limit, a crash) keeps what it measured, marked `"complete": false`."""
+
+    def __init__(self, out: Path, system: str, config: Path):
+        super().__init__(environment=environment(), config=str(config), complete=False)
+        self.path = out / f"e2e_{system}.json"
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self, indent=1))
+
+
+def measure(
+    args, name: str, interfaces: dict, requests: list[list], concurrencies: list[int], rows: dict, record: Record
+) -> None:
+    """Fill `rows` (part of `record`, saved after each point). `interfaces`: name -> ("http", url,
+    format) or ("handle", call). Each point records the cores the Serve processes used during it
+    (is the router the limit?)."""
     for interface, how in interfaces.items():
         bodies = [http_body(r, how[2], name == "ours") for r in requests] if how[0] == "http" else None
         for concurrency in concurrencies:
@@ -256,7 +270,7 @@ def measure(args, name: str, interfaces: dict, requests: list[list], concurrenci
                 f"cores {row['cores_used']}  stages {row['server_timing_p50_ms'] or '-'}",
                 flush=True,
             )
-    return rows
+            record.save()
 
 
 # ---- the service ----
@@ -377,12 +391,13 @@ def compare_handle_and_http(handle, url: str, requests: list[list]) -> float:
     return worst
 
 
-def run_ours(args, requests: list[list]) -> dict:
+def run_ours(args, requests: list[list], record: Record) -> None:
     import ray
     from ray import serve
 
     service, startup = start_service(args, args.out, "cold")
-    record = {"startup": {"cold": startup}}
+    record["startup"] = {"cold": startup}
+    record.save()
     try:
         ray.init(address=service.address, log_to_driver=False)
         handle = serve.get_app_handle(startup["app"])
@@ -400,9 +415,11 @@ def run_ours(args, requests: list[list]) -> dict:
         }
         if args.single:
             single = {k: interfaces[k] for k in ("handle", "safetensors")}
-            record["single_448"] = measure(args, "ours", single, single_images(args.single), [1])
+            record["single_448"] = {}
+            measure(args, "ours", single, single_images(args.single), [1], record["single_448"], record)
         chosen = {k: interfaces[k] for k in args.interfaces.split(",")}
-        record["mixed"] = measure(args, "ours", chosen, requests, args.concurrency)
+        record["mixed"] = {}
+        measure(args, "ours", chosen, requests, args.concurrency, record["mixed"], record)
         record["handle_vs_http_max_rel_error"] = compare_handle_and_http(handle, url, requests[:16])
         import httpx
 
@@ -413,9 +430,9 @@ def run_ours(args, requests: list[list]) -> dict:
         ray.shutdown()
         service.stop()
     if args.restart:
+        record.save()
         service, record["startup"]["warm_cache"] = start_service(args, args.out, "warm_cache")
         service.stop()
-    return record
 
 
 def fixed_replicas(config: Path, replicas: int, out: Path) -> Path:
@@ -439,7 +456,7 @@ def model_args(args) -> dict:
     return yaml.safe_load(args.config.read_text())["applications"][0]["args"]
 
 
-def run_baseline(args, name: str, requests: list[list]) -> dict:
+def run_baseline(args, name: str, requests: list[list], record: Record) -> None:
     import ray
     from ray import serve
 
@@ -463,13 +480,14 @@ def run_baseline(args, name: str, requests: list[list]) -> dict:
 
         url = f"http://127.0.0.1:{args.baseline_port}/{name}"
         interfaces = {"handle": ("handle", call), "json": ("http", url, "base64")}
-        return {"mixed": measure(args, name, interfaces, requests, args.concurrency)}
+        record["mixed"] = {}
+        measure(args, name, interfaces, requests, args.concurrency, record["mixed"], record)
     finally:
         serve.shutdown()
         ray.shutdown()
 
 
-def run_encoder(args, requests: list[list]) -> dict:
+def run_encoder(args, requests: list[list], record: Record) -> None:
     """The config's runner here, fully warmed, on the workload's items packed by the router's rule."""
     import torch
     from PIL import Image
@@ -517,12 +535,7 @@ def run_encoder(args, requests: list[list]) -> dict:
 
     run_all()  # every pack seen once: what a recurring pack would be on the service after a while
     tokens, seconds = run_all()
-    return {
-        "warm_up_s": round(warm_s, 1),
-        "packs": len(packs),
-        "tokens": tokens,
-        "tokens_per_s": round(tokens / seconds, 1),
-    }
+    record.update(warm_up_s=round(warm_s, 1), packs=len(packs), tokens=tokens, tokens_per_s=round(tokens / seconds, 1))
 
 
 # ---- report ----
@@ -554,7 +567,7 @@ def plot(runs: dict, out: Path) -> None:
             )
             top = points[levels[-1]]["latencies_ms"]
             right.plot(top, np.linspace(0, 1, len(top)), label=f"{name} {interface} c={levels[-1]}")
-    if "encoder" in runs:
+    if "tokens_per_s" in runs.get("encoder", {}):
         left.axhline(runs["encoder"]["tokens_per_s"], color="black", linestyle="--", label="encoder alone")
     left.set(xlabel="concurrent callers", ylabel="vision tokens / s", xscale="log", yscale="log", title="throughput")
     right.set(
@@ -568,7 +581,11 @@ def plot(runs: dict, out: Path) -> None:
 
 def table(runs: dict) -> str:
     levels = sorted({c for run in runs.values() for p in run.get("mixed", {}).values() for c in p}, key=int)
-    lines = [f"{name}: {run['environment']}" for name, run in runs.items() if "environment" in run]
+    lines = [
+        f"{name}: {run['environment']}" + ("" if run.get("complete", True) else " (stopped early)")
+        for name, run in runs.items()
+        if "environment" in run
+    ]
     lines += [
         "",
         "| system | interface | " + " | ".join(f"c={c}: tok/s (p50 ms)" for c in levels) + " |",
@@ -580,7 +597,7 @@ def table(runs: dict) -> str:
                 f"{points[c]['tokens_per_s']:.0f} ({points[c]['p50_ms']:.0f})" if c in points else "" for c in levels
             ]
             lines.append(f"| {name} | {interface} | " + " | ".join(cells) + " |")
-    if "encoder" in runs:
+    if "tokens_per_s" in runs.get("encoder", {}):
         lines.append(
             f"| encoder alone | same items, router's packing | {runs['encoder']['tokens_per_s']:.0f} |"
             + " |" * (len(levels) - 1)
@@ -622,14 +639,15 @@ def main() -> None:
     if not args.report:
         requests = workload(args.requests)
         for system in args.systems.split(","):
+            record = Record(args.out, system, args.config)
             if system == "ours":
-                record = run_ours(args, requests)
+                run_ours(args, requests, record)
             elif system == "encoder":
-                record = run_encoder(args, requests)
+                run_encoder(args, requests, record)
             else:
-                record = run_baseline(args, system, requests)
-            record = {"environment": environment(), "config": str(args.config), **record}
-            (args.out / f"e2e_{system}.json").write_text(json.dumps(record, indent=1))
+                run_baseline(args, system, requests, record)
+            record["complete"] = True
+            record.save()
     runs = load_runs(args.out)
     plot(runs, args.out)
     report = table(runs)
