@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -247,11 +248,18 @@ class Record(dict):
 
 
 def measure(
-    args, name: str, interfaces: dict, requests: list[list], concurrencies: list[int], rows: dict, record: Record
+    args,
+    name: str,
+    interfaces: dict,
+    requests: list[list],
+    concurrencies: list[int],
+    rows: dict,
+    record: Record,
+    snapshot: Callable[[], dict] | None = None,
 ) -> None:
     """Fill `rows` (part of `record`, saved after each point). `interfaces`: name -> ("http", url,
     format) or ("handle", call). Each point records the cores the Serve processes used during it
-    (is the router the limit?)."""
+    (is the router the limit?) and, with `snapshot`, the service's own counters after it."""
     for interface, how in interfaces.items():
         bodies = [http_body(r, how[2], name == "ours") for r in requests] if how[0] == "http" else None
         for concurrency in concurrencies:
@@ -264,6 +272,8 @@ def measure(
             elapsed, cpu_after = time.perf_counter() - began, serve_cpu_seconds()
             row = rows.setdefault(interface, {})[str(concurrency)] = summarize(samples, args.warmup)
             row["cores_used"] = {k: round((v - cpu_before.get(k, 0.0)) / elapsed, 2) for k, v in cpu_after.items()}
+            if snapshot is not None:
+                row["service_after"] = snapshot()
             print(
                 f"{name:8s} {interface:12s} c={concurrency:3d} {row['tokens_per_s']:10.0f} tok/s  "
                 f"p50 {row['p50_ms']:8.1f} ms  p99 {row['p99_ms']:8.1f} ms  errors {row['errors']}  "
@@ -391,6 +401,21 @@ def compare_handle_and_http(handle, url: str, requests: list[list]) -> float:
     return worst
 
 
+def counters(url: str) -> dict:
+    """The service's cumulative pack and forward counters (one router's, the replica's), as
+    `/v1/models/{id}` reports them: requests per pack, packs per forward, routes taken."""
+    import httpx
+
+    try:
+        model_id = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        detail = httpx.get(f"{url}/v1/models/{model_id}", timeout=30).json()["encoder"]
+    except Exception as error:  # noqa: BLE001 - a benchmark keeps going without them
+        return {"error": repr(error)}
+    replica = detail["replica"]
+    keep = ("forwards", "packs_per_forward", "queued_tokens", "stats", "status", "stale_s")
+    return {"router_packs": detail["router"].get("packs"), "replica": {k: replica.get(k) for k in keep}}
+
+
 def run_ours(args, requests: list[list], record: Record) -> None:
     import ray
     from ray import serve
@@ -419,7 +444,7 @@ def run_ours(args, requests: list[list], record: Record) -> None:
             measure(args, "ours", single, single_images(args.single), [1], record["single_448"], record)
         chosen = {k: interfaces[k] for k in args.interfaces.split(",")}
         record["mixed"] = {}
-        measure(args, "ours", chosen, requests, args.concurrency, record["mixed"], record)
+        measure(args, "ours", chosen, requests, args.concurrency, record["mixed"], record, lambda: counters(url))
         record["handle_vs_http_max_rel_error"] = compare_handle_and_http(handle, url, requests[:16])
         import httpx
 
