@@ -244,7 +244,9 @@ class Record(dict):
         self.path = out / f"e2e_{system}.json"
 
     def save(self) -> None:
-        self.path.write_text(json.dumps(self, indent=1))
+        partial = self.path.with_suffix(".json.partial")  # a kill mid-write leaves the last whole file
+        partial.write_text(json.dumps(self, indent=1))
+        os.replace(partial, self.path)
 
 
 def measure(
@@ -411,9 +413,15 @@ def counters(url: str) -> dict:
         detail = httpx.get(f"{url}/v1/models/{model_id}", timeout=30).json()["encoder"]
     except Exception as error:  # noqa: BLE001 - a benchmark keeps going without them
         return {"error": repr(error)}
-    replica = detail["replica"]
-    keep = ("forwards", "packs_per_forward", "queued_tokens", "stats", "status", "stale_s")
-    return {"router_packs": detail["router"].get("packs"), "replica": {k: replica.get(k) for k in keep}}
+    router, replica = detail["router"], detail["replica"]
+    keep = ("pid", "forwards", "packs_per_forward", "queued_tokens", "stats", "status", "stale_s")
+    # Which router and replica answered (the proxy picks a router; the router a replica): pair
+    # snapshots by pid before taking differences.
+    return {
+        "router_pid": router.get("pid"),
+        "router_packs": router.get("packs"),
+        "replica": {k: replica.get(k) for k in keep},
+    }
 
 
 def run_ours(args, requests: list[list], record: Record) -> None:

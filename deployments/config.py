@@ -48,7 +48,9 @@ class ModelSettings(_Strict):
     )
     switch_interval_ms: float = Field(
         0.2,
-        gt=0,
+        ge=0.01,
+        le=100,
+        allow_inf_nan=False,
         description="The encoder replica process's GIL switch interval (`sys.setswitchinterval`). Each torch "
         "op of a forward releases the GIL and takes it back; at Python's default 5 ms, a busy event loop or "
         "the background compile holds it meanwhile and small ops wait hundreds of times longer than they run.",
@@ -89,8 +91,9 @@ class RouterSettings(_Strict):
         5.0,
         ge=0,
         description="Seconds the router keeps its reference to each result it hands a Python handle caller "
-        "(works around ray-project/ray#58080, which can free a result before the caller reads it; the "
-        "object store keeps results at least this long).",
+        "(works around ray-project/ray#58080, which can free a result before the caller reads it). The "
+        "object store keeps each result at least this long: tokens/s x this x bytes a token (32 KiB for "
+        "Qwen3-VL-8B with its deepstack).",
     )
     cache_bytes: int = Field(
         256 * MiB, ge=0, description="Embedding cache size per router replica (0 turns the cache off)."

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import time
 
 
 class ReferenceHold:
@@ -21,18 +20,16 @@ class ReferenceHold:
 
     def __init__(self, hold_s: float):
         self.hold_s = hold_s
-        self._held: collections.deque[tuple[float, list]] = collections.deque()
+        self._held: collections.deque[list] = collections.deque()
 
     def hold(self, refs: list) -> None:
         if self.hold_s <= 0 or not refs:
             return
-        self._held.append((time.monotonic() + self.hold_s, refs))
-        asyncio.get_running_loop().call_later(self.hold_s, self.release_expired)
-
-    def release_expired(self) -> None:
-        now = time.monotonic()
-        while self._held and self._held[0][0] <= now:
-            self._held.popleft()
+        self._held.append(refs)
+        # One release per hold, all after the same delay: they run in the order the holds came,
+        # so each drops the oldest batch (no clock comparison, which uvloop's millisecond timers
+        # can fire just short of).
+        asyncio.get_running_loop().call_later(self.hold_s, self._held.popleft)
 
     def __len__(self) -> int:
-        return sum(len(refs) for _, refs in self._held)
+        return sum(len(refs) for refs in self._held)

@@ -80,7 +80,9 @@ class InternVLVisionTower(torch.nn.Module):
         self.tile_patches = self.tile_side**2
         shuffled = self.tile_side * config.downsample_ratio
         if shuffled != int(shuffled):
-            raise ValueError(f"downsample_ratio {config.downsample_ratio} does not divide {self.tile_side} patches a side")
+            raise ValueError(
+                f"downsample_ratio {config.downsample_ratio} does not divide {self.tile_side} patches a side"
+            )
         self.shuffled_side = int(shuffled)
         self.merge_unit = round(1 / config.downsample_ratio) ** 2
         self.layers, self.final_norm = _feature_layers(config)
