@@ -122,7 +122,7 @@ def internvl_flops(encoder, specs: list[ItemSpec]) -> float:
     """InternViT over each tile's patches and class token (full attention within a tile), then
     the projector over the tokens left after pixel shuffle."""
     vision = encoder.tower.config.vision_config
-    tiles = sum(s.grid_thw[0] for s in specs)
+    tiles = sum(s.segments for s in specs)
     patches = sum(s.input_patches for s in specs)
     rows = patches + tiles  # a class token per tile
     tile_rows = rows // tiles if tiles else 0

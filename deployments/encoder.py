@@ -161,7 +161,6 @@ class EncoderReplica:
         self._storing: set[asyncio.Task] = set()
         self.forwards = 0
         self.merged_packs = 0
-        self._lock = threading.Lock()
         self._counter_lock = threading.Lock()
         self.metrics = EncoderMetrics()
         self._queued_tokens = 0
@@ -210,6 +209,8 @@ class EncoderReplica:
                     ran = await asyncio.to_thread(self._compute, batch)
                 except Exception as error:
                     ran = Ran([error] * len(batch), time.perf_counter(), 0.0, None)
+                self.forwards += 1
+                self.merged_packs += len(batch)
                 store = asyncio.get_running_loop().create_task(self._deliver(batch, ran))
                 self._storing.add(store)
                 store.add_done_callback(self._storing.discard)
@@ -242,9 +243,9 @@ class EncoderReplica:
         or the error of its own run alone if the merged forward failed."""
         packs = [waiting.pack for waiting in batch]
         tokens = sum(pack.tokens for pack in packs)
-        # The runner's device lock also keeps this forward's device-side preprocessing out of a
-        # warm-up capture.
-        with self._lock, self.runner.device_lock:
+        # One drain task runs forwards one at a time; the runner's device lock also keeps this
+        # forward's device-side preprocessing out of a warm-up capture.
+        with self.runner.device_lock:
             started = time.perf_counter()
             self._count(queued=-tokens, inflight=tokens)
             try:
@@ -303,8 +304,6 @@ class EncoderReplica:
                 )
             except Exception as error:
                 results.append(error)
-        self.forwards += 1
-        self.merged_packs += len(batch)
         try:
             self._observe([w.pack for w in batch], results, ran.report)
         except Exception:  # metrics must never fail a pack

@@ -37,6 +37,21 @@ def test_bad_graph_settings_are_refused_naming_the_field(graphs, field):
     assert field in str(raised.value)
 
 
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        ({"model": {"switch_interval_ms": 0}}, "switch_interval_ms"),
+        ({"model": {"switch_interval_ms": float("inf")}}, "switch_interval_ms"),  # setswitchinterval would store 0
+        ({"model": {"switch_interval_ms": 1000}}, "switch_interval_ms"),  # would starve the event loop
+        ({"router": {"handle_hold_s": -1}}, "handle_hold_s"),
+    ],
+)
+def test_bad_process_settings_are_refused_naming_the_field(args, field):
+    with pytest.raises(ValidationError) as raised:
+        AppConfig.model_validate(args)
+    assert field in str(raised.value)
+
+
 def test_graph_settings_reach_the_runner_config():
     config = AppConfig.model_validate({"graphs": {"segment_density": 4, "budget_growth": 1.5}})
     assert isinstance(config.graphs, GraphConfig)  # the runner's own config, validated here

@@ -297,8 +297,9 @@ def test_handle_results_come_from_the_encoder_replica_not_through_the_router(app
         response = handle.encode.remote([files[0]])
         results = response.result()
         refs = handle.encode.remote([files[1]], as_refs=True).result()
-        after = model_detail(client, url)["router"]["embedding_bytes_received"]
-    assert after == before
+        router = model_detail(client, url)["router"]
+    assert router["embedding_bytes_received"] == before
+    assert router["handle_refs_held"] >= 2  # the router still references both results (ray-project/ray#58080)
     assert isinstance(results[0], EncodeResult) and type(refs[0]) is ItemRef and not hasattr(refs[0], "embedding")
     assert set(results[0].timing_ms) == {"decode", "encode", "replica_queue", "forward"}, results[0].timing_ms
     del response
