@@ -161,6 +161,8 @@ class EncoderReplica:
         self._storing: set[asyncio.Task] = set()
         self.forwards = 0
         self.merged_packs = 0
+        self.seconds = {"preprocess": 0.0, "run": 0.0, "store": 0.0}
+        """Cumulative wall seconds of each step of a forward (the device is busy at most in "run")."""
         self._counter_lock = threading.Lock()
         self.metrics = EncoderMetrics()
         self._queued_tokens = 0
@@ -286,6 +288,7 @@ class EncoderReplica:
     def _store(self, batch: list[Waiting], ran: Ran) -> list[PackResult | Exception]:
         """Each pack's outputs into this replica's object store (off the device lock: the next
         forward runs meanwhile)."""
+        started = time.perf_counter()
         results: list[PackResult | Exception] = []
         for waiting, outputs in zip(batch, ran.per_pack):
             if isinstance(outputs, Exception):
@@ -304,6 +307,7 @@ class EncoderReplica:
                 )
             except Exception as error:
                 results.append(error)
+        self._add_seconds("store", time.perf_counter() - started)
         try:
             self._observe([w.pack for w in batch], results, ran.report)
         except Exception:  # metrics must never fail a pack
@@ -340,14 +344,24 @@ class EncoderReplica:
 
     def _forward(self, packs: list[PackRequest]) -> list[ItemOutput]:
         """Packs of one modality as one forward; their items' outputs in order."""
+        started = time.perf_counter()
         pixels = [p for pack in packs for p in pack.pixels]
         specs = [spec for pack in packs for spec in pack.specs]
         pixel_values = self.encoder.preprocessor.pixel_values(pixels, packs[0].modality, device=self.encoder.device)
         expected = sum(spec.input_patches for spec in specs)
         if pixel_values.shape[0] != expected:  # the graphs would read rows that are not there
             raise ValueError(f"the pack's pixels make {pixel_values.shape[0]} patches, its specs say {expected}")
+        pixel_values = pixel_values.to(self.encoder.dtype)
+        prepared = time.perf_counter()
+        self._add_seconds("preprocess", prepared - started)
         # One device-to-host copy for the whole forward; items are views of it.
-        return self.runner.run(pixel_values.to(self.encoder.dtype), specs, output_device="cpu")
+        outputs = self.runner.run(pixel_values, specs, output_device="cpu")
+        self._add_seconds("run", time.perf_counter() - prepared)
+        return outputs
+
+    def _add_seconds(self, step: str, seconds: float) -> None:
+        with self._counter_lock:
+            self.seconds[step] += seconds
 
     def record_routing_stats(self) -> dict:
         return {
@@ -370,6 +384,7 @@ class EncoderReplica:
             "inflight_tokens": self._inflight_tokens,
             "forwards": self.forwards,
             "packs_per_forward": round(self.merged_packs / self.forwards, 3) if self.forwards else 0.0,
+            "step_seconds": {step: round(seconds, 3) for step, seconds in self.seconds.items()},
             **self.runner.describe(),
         }
 
