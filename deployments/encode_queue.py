@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
+from ray.serve.exceptions import ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from .cache import EmbeddingCache, InflightTable
@@ -46,7 +47,7 @@ class Encoded:
 
 def replica_failed(error: Exception) -> bool:
     """The encoder replica died or lost its GPU (retryable elsewhere), not a problem of the input."""
-    if isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+    if isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ReplicaUnavailableError)):
         return True
     return "CUDA error" in str(error) or "CUDA out of memory" in str(error)
 
@@ -152,7 +153,7 @@ class EncodeQueue:
         pack = PackRequest(self.scheduler.next_pack_id(), modality, [i.pixels for i in items], [i.spec for i in items])
         start = time.perf_counter()
         try:
-            result = await self.encoder.encode_pack.remote(pack)
+            result = await self._send(pack)
         except ray.exceptions.RayActorError as error:  # its objects are gone: so are its cache entries
             if getattr(error, "actor_id", None):
                 self.cache.forget_replica(error.actor_id)
@@ -162,6 +163,16 @@ class EncodeQueue:
             Encoded(ref, nbytes, result.replica, result.queue_s, result.forward_s)
             for ref, nbytes in zip(result.outputs, result.item_bytes)
         ]
+
+    async def _send(self, pack: PackRequest):
+        """The pack to the replica the request router picks, as a plain actor call. `.remote()`
+        answers through a streaming generator (Serve's rejection protocol), and Ray can lose the
+        count of object references nested in a yield (ray-project/ray#58080): under load the
+        replica freed a pack's outputs before this router had read them. A slot reserved with
+        `choose_replica` is answered by an ordinary return, whose nested references Ray counts."""
+        method = self.encoder.encode_pack
+        async with method.choose_replica(pack) as selection:
+            return await method.dispatch(selection, pack)
 
     def _observe_pack(self, items: list[QueuedItem], budget: int | None) -> None:
         tokens = sum(item.spec.output_tokens for item in items)

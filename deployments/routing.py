@@ -34,14 +34,25 @@ class FewestQueuedTokensRouter(FIFOMixin, RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: Optional[PendingRequest] = None
     ) -> list[list[RunningReplica]]:
         ranked = sorted(candidate_replicas, key=self.load)
+        if ranked and pending_request is not None:
+            # A pack sent with `choose_replica` / `dispatch` (the encode queue's way) never reaches
+            # `on_request_routed`: its tokens count against the replica asked first, which takes
+            # it unless it is full (then the next ranking moves them).
+            self._count(pending_request, ranked[0].replica_id)
         return [[replica] for replica in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        tokens = pack_tokens(pending_request)
-        self._sent_tokens[replica_id] += tokens
-        self._by_request[pending_request.metadata.internal_request_id] = (replica_id, tokens)
+        self._count(pending_request, replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         routed = self._by_request.pop(internal_request_id, None)
         if routed is not None:
             self._sent_tokens[routed[0]] -= routed[1]
+
+    def _count(self, pending_request: PendingRequest, replica_id: ReplicaID) -> None:
+        """The request's tokens counted against `replica_id` (moved there if counted elsewhere)."""
+        request_id = pending_request.metadata.internal_request_id
+        self.on_request_completed(replica_id, request_id)
+        tokens = pack_tokens(pending_request)
+        self._sent_tokens[replica_id] += tokens
+        self._by_request[request_id] = (replica_id, tokens)

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from models.protocol import EncoderOutput, ItemSpec, VisionEncoder
 
 
-def synthetic_specs(encoder: VisionEncoder, token_budget: int, max_seqlen: int, max_items: int) -> list[ItemSpec]:
-    """The encoder's sample images, frames as long as `max_seqlen` allows, filling up to the budget."""
+def synthetic_specs(
+    encoder: VisionEncoder, token_budget: int, max_seqlen: int, max_items: int, frame: int | None = None
+) -> list[ItemSpec]:
+    """The encoder's sample images, frames as long as `frame` (default: `max_seqlen`) allows,
+    filling up to the budget."""
     rows = token_budget * encoder.merge_unit
-    item = encoder.synthetic_item(min(max_seqlen, rows))
+    item = encoder.synthetic_item(min(max_seqlen, frame or max_seqlen, rows))
     count = max(1, min(max_items, rows // item.input_patches))
     specs = [item] * count
     left = rows - count * item.input_patches
@@ -25,6 +28,18 @@ def synthetic_specs(encoder: VisionEncoder, token_budget: int, max_seqlen: int, 
     return specs
 
 
+def sample_frame(buckets: Sequence[int], max_seqlen: int) -> int:
+    """The frame length that times a graph of bucket `max_seqlen` among a budget's `buckets`: the
+    bucket itself, except in the budget's last bucket (its rows): at most twice the bucket below.
+    A pack lands there for one frame just past the bucket below (a 1920x1080 photo: 8160 rows in
+    a 32768-row budget); priced on one frame of all the rows, such packs looked several times
+    dearer than they are and the planner sent them to slower routes."""
+    below = [b for b in buckets if b < max_seqlen]
+    if not below or max_seqlen < max(buckets):
+        return max_seqlen
+    return min(max_seqlen, 2 * max(below))
+
+
 def synthetic_pixels(specs: list[ItemSpec], patch_dim: int, device: torch.device, seed: int = 0) -> torch.Tensor:
     """Normalized-pixel-like values (mean 0, std 1) for the specs."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -33,8 +48,11 @@ def synthetic_pixels(specs: list[ItemSpec], patch_dim: int, device: torch.device
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected| in float32 (reads the result: waits for the device)."""
-    expected = expected.float().to(actual.device)
+    """max |actual - expected| / max |expected| in float32 (reads the result: waits for the device).
+    Computed on the GPU when either is there: a pack's outputs copied to the host checked on the
+    host cost hundreds of ms of CPU for a large pack."""
+    device = actual.device if actual.device.type != "cpu" else expected.device
+    actual, expected = actual.to(device), expected.float().to(device)
     scale = expected.abs().max().clamp_min(1e-12)
     return ((actual.float() - expected).abs().max() / scale).item()
 

@@ -29,7 +29,7 @@ from .buffers import StaticBuffers
 from .entry import DISABLED, LIVE, PENDING, GraphEntry, GraphKey
 from .preflight import check_eager, check_memory, raise_recompile_limits
 from .route_costs import attention_shapes
-from .selfcheck import best_ms, pack_error, synthetic_pixels, synthetic_specs
+from .selfcheck import best_ms, pack_error, sample_frame, synthetic_pixels, synthetic_specs
 from .table import input_specs
 
 if TYPE_CHECKING:
@@ -330,7 +330,9 @@ class WarmUp:
 
     def _sample_pack(self, key: GraphKey):
         encoder = self.runner.encoder
-        specs = synthetic_specs(encoder, *key, self.runner.ladder.max_items)
+        budget, seqlen = key
+        frame = sample_frame([e.key[1] for e in self.runner.table.by_budget.get(budget, [])], seqlen)
+        specs = synthetic_specs(encoder, budget, seqlen, self.runner.ladder.max_items, frame)
         return specs, synthetic_pixels(specs, encoder.patch_dim, encoder.device, seed=key[0] + key[1]).to(encoder.dtype)
 
     def _compile_exact(self, progress: Progress, stop: threading.Event) -> None:

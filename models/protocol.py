@@ -89,24 +89,35 @@ class ItemOutput:
 
 
 def to_wire(tensor: torch.Tensor | None):
-    """A CPU tensor as a numpy array, for pickling into Ray's object store: numpy's bytes go out
+    """A CPU tensor as numpy arrays, for pickling into Ray's object store: numpy's bytes go out
     of band (one copy in, zero copies out), where a pickled tensor goes through the pickle
-    stream and takes its whole storage along (a view of a pack carries the pack)."""
+    stream and takes its whole storage along (a view of a pack carries the pack). A view whose
+    slices along the first dim are each contiguous (an item's deepstack levels, cut from a
+    pack's `[levels, tokens, hidden]`) goes as those slices, not copied into one block first."""
     if tensor is None or tensor.device.type != "cpu":
         return tensor
-    if tensor.dtype == torch.bfloat16:
-        return ("bfloat16", tensor.contiguous().view(torch.int16).numpy())
-    return ("", tensor.contiguous().numpy())
+    kind = "bfloat16" if tensor.dtype == torch.bfloat16 else ""
+    if not tensor.is_contiguous() and 1 < tensor.shape[0] <= 16 and all(part.is_contiguous() for part in tensor):
+        return (kind, [_array(part) for part in tensor])
+    return (kind, _array(tensor.contiguous()))
+
+
+def _array(tensor: torch.Tensor):
+    return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
 def from_wire(packed) -> torch.Tensor | None:
-    """`to_wire`'s inverse; the tensor shares the object store's read-only memory."""
+    """`to_wire`'s inverse; the tensor shares the object store's read-only memory (one sent as
+    slices is stacked into fresh memory)."""
     if packed is None or isinstance(packed, torch.Tensor):
         return packed
-    kind, array = packed
+    kind, arrays = packed
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only shared memory: never written in place
-        tensor = torch.from_numpy(array)
+        if isinstance(arrays, list):
+            tensor = torch.stack([torch.from_numpy(array) for array in arrays])
+        else:
+            tensor = torch.from_numpy(arrays)
     return tensor.view(torch.bfloat16) if kind == "bfloat16" else tensor
 
 

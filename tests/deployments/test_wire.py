@@ -43,3 +43,17 @@ def test_a_pack_carries_its_pixels_out_of_band():
     assert in_band < 2048
     assert back.pack_id == 7 and back.specs == specs and back.modality == "image"
     assert all(torch.equal(a, b) and b.dtype == torch.uint8 for a, b in zip(pixels, back.pixels))
+
+
+def test_an_items_deepstack_levels_go_out_of_band_without_a_copy():
+    """A replica's store thread pickles every item of every forward: the levels of an item's
+    deepstack (each contiguous in the pack) are written from the pack's own memory, not first
+    gathered into one block."""
+    pack_deepstack = torch.randn(3, 300, 64).to(torch.bfloat16)
+    item = ItemOutput(torch.zeros(50, 64), pack_deepstack[:, 100:150])
+    buffers = []
+    pickle.dumps(item, protocol=5, buffer_callback=buffers.append)
+    start = pack_deepstack.data_ptr()
+    end = start + pack_deepstack.nbytes
+    inside = [b for b in buffers if start <= memoryview(b.raw()).obj.__array_interface__["data"][0] < end]
+    assert len(inside) == 3

@@ -18,6 +18,8 @@ from encoder_graphs.budgets import (
 )
 from encoder_graphs.config import GraphConfig, Ladder, budget_ladder
 from encoder_graphs.packing import PackItem, pack_items, split_items
+from encoder_graphs.selfcheck import sample_frame, synthetic_specs
+from models import from_preset
 
 
 @given(st.integers(1, 5000), st.integers(1, 70000), st.sampled_from([1.25, 1.5, 2.0, 3.0]))
@@ -268,3 +270,13 @@ def test_packs_of_several_routers_merge_at_the_replica_counting_their_items():
     ]
     first = pack_items(waiting, (128, 256), max_items=6, max_segments=8)[0]
     assert [item.key for item in first.items] == [0, 3, 4] and first.token_budget == 256
+
+
+def test_a_budgets_last_bucket_is_timed_on_frames_twice_the_bucket_below():
+    """Under Triton a budget's buckets are 1024, 4096 and its rows: the rows bucket is timed on
+    frames of 8192 (a 1920x1080 photo has 8160), not on one frame of all 32768 rows."""
+    buckets = [1024, 4096, 32768]
+    assert [sample_frame(buckets, b) for b in buckets] == [1024, 4096, 8192]
+    assert [sample_frame([256, 512, 1024], b) for b in (256, 512, 1024)] == [256, 512, 1024]  # doubling ladders
+    specs = synthetic_specs(from_preset("qwen3-vl-tiny"), 8192, 32768, 64, frame=sample_frame(buckets, 32768))
+    assert max(s.input_patches for s in specs) <= 8192 and sum(s.input_patches for s in specs) > 8192 * 3
