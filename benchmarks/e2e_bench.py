@@ -513,6 +513,7 @@ def run_baseline(args, name: str, requests: list[list], record: Record) -> None:
 
         url = f"http://127.0.0.1:{args.baseline_port}/{name}"
         interfaces = {"handle": ("handle", call), "json": ("http", url, "base64")}
+        interfaces = {k: v for k, v in interfaces.items() if k in args.interfaces.split(",")}
         record["mixed"] = {}
         measure(args, name, interfaces, requests, args.concurrency, record["mixed"], record)
     finally:
@@ -660,7 +661,9 @@ def main() -> None:
     parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--baseline-port", type=int, default=8011)
     parser.add_argument("--report", action="store_true", help="only rebuild the table and plot from <out>")
-    parser.add_argument("--interfaces", default="handle,safetensors,json", help="ours: interfaces of the mixed load")
+    parser.add_argument(
+        "--interfaces", default="handle,safetensors,json", help="interfaces of the mixed load (baselines: handle, json)"
+    )
     parser.add_argument(
         "--single", type=int, default=256, help="ours: distinct 448x448 images at concurrency 1 (0: skip)"
     )
