@@ -1,0 +1,43 @@
+"""The encoder request router's load accounting (no cluster: its methods on stand-in replicas)."""
+
+import asyncio
+from types import SimpleNamespace
+
+from deployments.routing import FewestQueuedTokensRouter
+
+
+def router() -> FewestQueuedTokensRouter:
+    made = object.__new__(FewestQueuedTokensRouter)  # Serve builds it with its own arguments
+    made.initialize_state()
+    return made
+
+
+def replica(name: str, reported: int = 0):
+    return SimpleNamespace(replica_id=name, routing_stats={"queued_tokens": reported})
+
+
+def pack(request_id: str, tokens: int):
+    return SimpleNamespace(
+        args=[SimpleNamespace(tokens=tokens)], metadata=SimpleNamespace(internal_request_id=request_id)
+    )
+
+
+def test_packs_sent_with_choose_replica_count_against_the_replica_asked_first_until_done():
+    """`choose_replica` / `dispatch` never calls `on_request_routed`: the ranking itself counts a
+    pack's tokens, so the next pack goes to the other replica before any report arrives."""
+    chooser, a, b = router(), replica("a"), replica("b")
+    first = asyncio.run(chooser.choose_replicas([a, b], pack("p1", 4000)))[0][0]
+    second = asyncio.run(chooser.choose_replicas([a, b], pack("p2", 1000)))[0][0]
+    assert {first.replica_id, second.replica_id} == {"a", "b"}
+    assert chooser.load(first) == 4000 and chooser.load(second) == 1000
+    asyncio.run(chooser.choose_replicas([a, b], pack("p2", 1000)))  # ranked again (first choice was full)
+    assert chooser.load(second) == 1000  # moved or kept, never counted twice
+    chooser.on_request_completed(first.replica_id, "p1")
+    chooser.on_request_completed(second.replica_id, "p2")
+    assert chooser.load(a) == chooser.load(b) == 0
+
+
+def test_a_replicas_own_report_wins_when_larger():
+    chooser = router()
+    busy, idle = replica("busy", reported=50_000), replica("idle")
+    assert asyncio.run(chooser.choose_replicas([busy, idle], pack("p", 10)))[0][0] is idle
