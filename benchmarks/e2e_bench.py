@@ -414,7 +414,8 @@ def counters(url: str) -> dict:
     except Exception as error:  # noqa: BLE001 - a benchmark keeps going without them
         return {"error": repr(error)}
     router, replica = detail["router"], detail["replica"]
-    keep = ("pid", "forwards", "packs_per_forward", "step_seconds", "queued_tokens", "stats", "status", "stale_s")
+    keep = ("pid", "forwards", "packs_per_forward", "requests_per_forward", "step_seconds", "queued_tokens", "stats")
+    keep += ("status", "stale_s")
     # Which router and replica answered (the proxy picks a router; the router a replica): pair
     # snapshots by pid before taking differences.
     return {

@@ -150,7 +150,8 @@ class EncodeQueue:
             self.metrics.cache_bytes.set(self.cache.bytes)
 
     async def _dispatch(self, modality: str, items: list[QueuedItem]) -> list[Encoded]:
-        pack = PackRequest(self.scheduler.next_pack_id(), modality, [i.pixels for i in items], [i.spec for i in items])
+        pixels, specs = [i.pixels for i in items], [i.spec for i in items]
+        pack = PackRequest(self.scheduler.next_pack_id(), modality, pixels, specs, len({i.request_id for i in items}))
         start = time.perf_counter()
         try:
             result = await self._send(pack)

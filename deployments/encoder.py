@@ -44,17 +44,20 @@ class PackRequest:
     pixels: list[torch.Tensor]
     """uint8 resized items (`[3, h, w]` or `[T, 3, h, w]`; InternVL: `[tiles, 3, h, w]`), in pack order."""
     specs: list[ItemSpec]
+    requests: int = 1
+    """Distinct requests whose items the pack holds."""
 
     @property
     def tokens(self) -> int:
         return sum(spec.output_tokens for spec in self.specs)
 
     def __reduce__(self):  # pixels as numpy: a pickled tensor costs 6x more router CPU per byte
-        return (_pack_from_wire, (self.pack_id, self.modality, [to_wire(p) for p in self.pixels], self.specs))
+        pixels = [to_wire(p) for p in self.pixels]
+        return (_pack_from_wire, (self.pack_id, self.modality, pixels, self.specs, self.requests))
 
 
-def _pack_from_wire(pack_id: int, modality: str, pixels: list, specs: list[ItemSpec]) -> PackRequest:
-    return PackRequest(pack_id, modality, [from_wire(p) for p in pixels], specs)
+def _pack_from_wire(pack_id: int, modality: str, pixels: list, specs: list[ItemSpec], requests: int) -> PackRequest:
+    return PackRequest(pack_id, modality, [from_wire(p) for p in pixels], specs, requests)
 
 
 @dataclass
@@ -161,6 +164,7 @@ class EncoderReplica:
         self._storing: set[asyncio.Task] = set()
         self.forwards = 0
         self.merged_packs = 0
+        self.merged_requests = 0
         self.seconds = {"preprocess": 0.0, "run": 0.0, "store": 0.0}
         """Cumulative wall seconds of each step of a forward (the device is busy at most in "run")."""
         self._counter_lock = threading.Lock()
@@ -213,6 +217,7 @@ class EncoderReplica:
                     ran = Ran([error] * len(batch), time.perf_counter(), 0.0, None)
                 self.forwards += 1
                 self.merged_packs += len(batch)
+                self.merged_requests += sum(waiting.pack.requests for waiting in batch)
                 store = asyncio.get_running_loop().create_task(self._deliver(batch, ran))
                 self._storing.add(store)
                 store.add_done_callback(self._storing.discard)
@@ -384,6 +389,8 @@ class EncoderReplica:
             "inflight_tokens": self._inflight_tokens,
             "forwards": self.forwards,
             "packs_per_forward": round(self.merged_packs / self.forwards, 3) if self.forwards else 0.0,
+            # packs from different routers hold different requests: what packing across callers achieves
+            "requests_per_forward": round(self.merged_requests / self.forwards, 3) if self.forwards else 0.0,
             "step_seconds": {step: round(seconds, 3) for step, seconds in self.seconds.items()},
             **self.runner.describe(),
         }

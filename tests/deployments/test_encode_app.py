@@ -353,13 +353,15 @@ def test_packs_waiting_at_a_replica_run_merged_and_each_gets_its_own_items(app, 
     packs = []
     for pack_id, group in enumerate(groups):
         pixels, specs = zip(*(resized_item(pre, data) for data in group))
-        packs.append(PackRequest(10_000 + pack_id, "image", list(pixels), list(specs)))
+        packs.append(PackRequest(10_000 + pack_id, "image", list(pixels), list(specs), requests=len(group)))
     replica = serve.get_deployment_handle("EncoderReplica", app_name=app.name)
     before = replica.describe.remote().result()
     results = [r.result() for r in [replica.encode_pack.remote(pack) for pack in packs]]
     after = replica.describe.remote().result()
     forwards = after["forwards"] - before["forwards"]
     assert forwards < len(packs) and max(r.merged for r in results) > 1, (forwards, [r.merged for r in results])
+    requests = after["requests_per_forward"] * after["forwards"] - before["requests_per_forward"] * before["forwards"]
+    assert abs(requests - len(files)) < 0.01 * after["forwards"] + 1e-6  # requests counted across merged packs
     for group, result in zip(groups, results):
         assert len(result.outputs) == len(group)
         for data, ref in zip(group, result.outputs):

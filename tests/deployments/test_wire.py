@@ -37,11 +37,11 @@ def test_a_pack_carries_its_pixels_out_of_band():
         torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8),
     ]
     specs = [ItemSpec("image", (1, 4, 6), 24, 6), ItemSpec("image", (1, 2, 2), 4, 1)]
-    pack = PackRequest(7, "image", pixels, specs)
+    pack = PackRequest(7, "image", pixels, specs, requests=2)
     back, in_band, out_of_band = pickled(pack)
     assert out_of_band == sum(p.numel() for p in pixels)
     assert in_band < 2048
-    assert back.pack_id == 7 and back.specs == specs and back.modality == "image"
+    assert back.pack_id == 7 and back.specs == specs and back.modality == "image" and back.requests == 2
     assert all(torch.equal(a, b) and b.dtype == torch.uint8 for a, b in zip(pixels, back.pixels))
 
 
