@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
-from ray.serve.exceptions import ReplicaUnavailableError
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from .cache import EmbeddingCache, InflightTable
@@ -47,7 +47,8 @@ class Encoded:
 
 def replica_failed(error: Exception) -> bool:
     """The encoder replica died or lost its GPU (retryable elsewhere), not a problem of the input."""
-    if isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ReplicaUnavailableError)):
+    unavailable = (ReplicaUnavailableError, DeploymentUnavailableError)
+    if isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, *unavailable)):
         return True
     return "CUDA error" in str(error) or "CUDA out of memory" in str(error)
 

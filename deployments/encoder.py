@@ -56,7 +56,7 @@ class PackRequest:
         return (_pack_from_wire, (self.pack_id, self.modality, pixels, self.specs, self.requests))
 
 
-def _pack_from_wire(pack_id: int, modality: str, pixels: list, specs: list[ItemSpec], requests: int) -> PackRequest:
+def _pack_from_wire(pack_id: int, modality: str, pixels: list, specs: list[ItemSpec], requests: int = 1) -> PackRequest:
     return PackRequest(pack_id, modality, [from_wire(p) for p in pixels], specs, requests)
 
 
@@ -390,6 +390,7 @@ class EncoderReplica:
             "forwards": self.forwards,
             "packs_per_forward": round(self.merged_packs / self.forwards, 3) if self.forwards else 0.0,
             # packs from different routers hold different requests: what packing across callers achieves
+            # (an upper bound where one request's items went in two packs of one forward)
             "requests_per_forward": round(self.merged_requests / self.forwards, 3) if self.forwards else 0.0,
             "step_seconds": {step: round(seconds, 3) for step, seconds in self.seconds.items()},
             **self.runner.describe(),

@@ -9,10 +9,14 @@ load of a replica is the larger of the two (reports are periodic and cover other
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+COUNT_EXPIRY_S = 600.0
+"""Longer than any pack takes (requests time out after `router.request_timeout_s`, 120 s by default)."""
 
 
 def pack_tokens(pending_request: Optional[PendingRequest]) -> int:
@@ -24,7 +28,7 @@ def pack_tokens(pending_request: Optional[PendingRequest]) -> int:
 class FewestQueuedTokensRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, **kwargs) -> None:
         self._sent_tokens: dict[ReplicaID, int] = defaultdict(int)
-        self._by_request: dict[str, tuple[ReplicaID, int]] = {}
+        self._by_request: dict[str, tuple[ReplicaID, int, float]] = {}
 
     def load(self, replica: RunningReplica) -> int:
         reported = int((replica.routing_stats or {}).get("queued_tokens", 0))
@@ -37,7 +41,8 @@ class FewestQueuedTokensRouter(FIFOMixin, RequestRouter):
         if ranked and pending_request is not None:
             # A pack sent with `choose_replica` / `dispatch` (the encode queue's way) never reaches
             # `on_request_routed`: its tokens count against the replica asked first, which takes
-            # it unless it is full (then the next ranking moves them).
+            # it unless it is full (then another does, and the count is off until the pack
+            # completes; the replicas' own reports, every second, bound the error).
             self._count(pending_request, ranked[0].replica_id)
         return [[replica] for replica in ranked]
 
@@ -50,9 +55,14 @@ class FewestQueuedTokensRouter(FIFOMixin, RequestRouter):
             self._sent_tokens[routed[0]] -= routed[1]
 
     def _count(self, pending_request: PendingRequest, replica_id: ReplicaID) -> None:
-        """The request's tokens counted against `replica_id` (moved there if counted elsewhere)."""
+        """The request's tokens counted against `replica_id` (moved there if counted elsewhere).
+        Counts older than `COUNT_EXPIRY_S` are dropped: a pack ranked but never dispatched (its
+        slot reservation failed) is never completed, and its count would steer traffic away for good."""
         request_id = pending_request.metadata.internal_request_id
         self.on_request_completed(replica_id, request_id)
+        now = time.monotonic()
+        for stale in [r for r, (_, _, at) in self._by_request.items() if now - at > COUNT_EXPIRY_S]:
+            self.on_request_completed(replica_id, stale)
         tokens = pack_tokens(pending_request)
         self._sent_tokens[replica_id] += tokens
-        self._by_request[request_id] = (replica_id, tokens)
+        self._by_request[request_id] = (replica_id, tokens, now)

@@ -52,7 +52,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     Computed on the GPU when either is there: a pack's outputs copied to the host checked on the
     host cost hundreds of ms of CPU for a large pack."""
     device = actual.device if actual.device.type != "cpu" else expected.device
-    actual, expected = actual.to(device), expected.float().to(device)
+    actual, expected = actual.to(device), expected.to(device).float()
     scale = expected.abs().max().clamp_min(1e-12)
     return ((actual.float() - expected).abs().max() / scale).item()
 

@@ -41,3 +41,17 @@ def test_a_replicas_own_report_wins_when_larger():
     chooser = router()
     busy, idle = replica("busy", reported=50_000), replica("idle")
     assert asyncio.run(chooser.choose_replicas([busy, idle], pack("p", 10)))[0][0] is idle
+
+
+def test_a_count_never_completed_expires(monkeypatch):
+    """A pack ranked whose slot reservation then failed is never completed: its count goes after
+    `COUNT_EXPIRY_S` instead of steering traffic away from the replica for good."""
+    import deployments.routing as routing
+
+    chooser, a, b = router(), replica("a"), replica("b")
+    asyncio.run(chooser.choose_replicas([a, b], pack("lost", 4000)))
+    assert chooser.load(a) == 4000
+    later = routing.time.monotonic() + routing.COUNT_EXPIRY_S + 1
+    monkeypatch.setattr(routing.time, "monotonic", lambda: later)
+    asyncio.run(chooser.choose_replicas([a, b], pack("next", 10)))
+    assert chooser.load(a) + chooser.load(b) == 10
