@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 import sys
 import time
+from importlib import metadata
 
 import torch
 import transformers
@@ -16,7 +17,16 @@ def environment() -> dict:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "ray": _version("ray"),
+        "triton": _version("triton"),
         "cudnn": torch.backends.cudnn.version(),
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None

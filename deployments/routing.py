@@ -50,7 +50,10 @@ class FewestQueuedTokensRouter(FIFOMixin, RequestRouter):
         self._count(pending_request, replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        routed = self._by_request.pop(internal_request_id, None)
+        self._release(internal_request_id)
+
+    def _release(self, request_id: str) -> None:
+        routed = self._by_request.pop(request_id, None)
         if routed is not None:
             self._sent_tokens[routed[0]] -= routed[1]
 
@@ -59,10 +62,10 @@ class FewestQueuedTokensRouter(FIFOMixin, RequestRouter):
         Counts older than `COUNT_EXPIRY_S` are dropped: a pack ranked but never dispatched (its
         slot reservation failed) is never completed, and its count would steer traffic away for good."""
         request_id = pending_request.metadata.internal_request_id
-        self.on_request_completed(replica_id, request_id)
+        self._release(request_id)
         now = time.monotonic()
         for stale in [r for r, (_, _, at) in self._by_request.items() if now - at > COUNT_EXPIRY_S]:
-            self.on_request_completed(replica_id, stale)
+            self._release(stale)
         tokens = pack_tokens(pending_request)
         self._sent_tokens[replica_id] += tokens
         self._by_request[request_id] = (replica_id, tokens, now)

@@ -55,3 +55,16 @@ def test_a_count_never_completed_expires(monkeypatch):
     monkeypatch.setattr(routing.time, "monotonic", lambda: later)
     asyncio.run(chooser.choose_replicas([a, b], pack("next", 10)))
     assert chooser.load(a) + chooser.load(b) == 10
+
+
+def test_an_unavailable_replica_or_deployment_is_retried_elsewhere_not_blamed_on_the_input():
+    """`choose_replica` / `dispatch` raise Serve's own errors when a replica went away between
+    the pick and the send, or the deployment has none: the pack is resent, then 503."""
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
+    from deployments.encode_queue import replica_failed
+
+    assert replica_failed(ReplicaUnavailableError("r1"))
+    assert replica_failed(DeploymentUnavailableError(DeploymentID(name="EncoderReplica", app_name="encoder")))
+    assert not replica_failed(ValueError("the pack's pixels make 10 patches, its specs say 12"))
