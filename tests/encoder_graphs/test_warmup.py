@@ -44,13 +44,20 @@ def route(runner) -> str:
     return "graph" if last.graph else last.eager_reason
 
 
-def serve_while(thread: threading.Thread, runner, reference, packs) -> list[str]:
-    """Serve the packs round after round until the warm-up thread ends; the route of each."""
+def serve_while(thread: threading.Thread, runner, reference, packs, before_full_speed=None) -> list[str]:
+    """Serve the packs round after round until the warm-up thread ends; the route of each. The
+    stats of each pack that started before full speed go to `before_full_speed` (the thread
+    still saves the compile cache after it)."""
     routes = []
     while thread.is_alive():
         for pixels, specs in packs:
-            assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+            with runner.device_lock:  # full speed switches on under this lock: no switch in between
+                full_speed = runner.warmup_status().full_speed
+                outputs = runner.run(pixels, specs)
+            assert_matches_reference(reference, pixels, specs, outputs)
             routes.append(route(runner))
+            if before_full_speed is not None and not full_speed:
+                before_full_speed.append(runner.stats.last)
     return routes
 
 
@@ -126,9 +133,11 @@ def test_a_background_compile_never_meets_a_pack(qwen3):
     thread = threading.Thread(target=runner.warm_up, kwargs={"progress": lambda message: None}, daemon=True)
     packs = [images(encoder, 5, [(256, 256)]), images(encoder, 6, [(500, 500), (500, 500)])]
     thread.start()
-    routes = serve_while(thread, runner, reference, packs)
+    during: list = []
+    routes = serve_while(thread, runner, reference, packs, during)
     thread.join()
-    assert routes and runner.stats.recompile_fallbacks == 0 and runner.stats.compiled_exact == 0
+    assert routes and during and runner.stats.recompile_fallbacks == 0
+    assert not any(stats.compiled or stats.recompile_fallback for stats in during)
     assert runner.warmup_status().compiled and runner.warmup_status().exact_route
     pixels, specs = packs[1]  # oversize, equal images: the compiled exact route now
     assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
