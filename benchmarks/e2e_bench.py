@@ -188,7 +188,12 @@ async def handle_load(call, requests: list[list], concurrency: int, seconds: flo
         n = worker
         while time.perf_counter() < stop:
             start = time.perf_counter()
-            out = await call(requests[n % len(requests)])
+            try:
+                out = await call(requests[n % len(requests)])
+            except Exception as error:  # noqa: BLE001 - a failed call is a sample, not the end of the run
+                samples.append((start, time.perf_counter(), 0, type(error).__name__, {}))
+                n += concurrency
+                continue
             tokens, stages = out if isinstance(out, tuple) else (out, {})
             samples.append((start, time.perf_counter(), tokens, 200, stages))
             n += concurrency
@@ -216,9 +221,18 @@ def summarize(samples: list, warmup_s: float) -> dict:
     }
 
 
-SERVE_PROCESSES = ("EncoderRouter", "decode_worker", "EncoderReplica", "PlainTower", "BatchedTower", "ProxyActor")
+SERVE_PROCESSES = (
+    "EncoderRouter",
+    "decode_worker",
+    "EncoderReplica",
+    "PlainTower",
+    "BatchedTower",
+    "ProxyActor",
+    "haproxy",
+)
 """Serve replicas (process titles `ray::ServeReplica:<app>:<deployment>`) and the routers' decode
-workers (`python -m deployments.decode_worker`), whose CPU use is recorded."""
+workers (`python -m deployments.decode_worker`) and HAProxy where it is the ingress
+(`RAY_SERVE_ENABLE_HA_PROXY=1`): their CPU use is recorded."""
 
 
 def serve_cpu_seconds() -> dict[str, float]:
@@ -425,6 +439,66 @@ def counters(url: str) -> dict:
     }
 
 
+def encoder_replica_pids(app: str) -> list[int]:
+    import psutil
+
+    title = f"ServeReplica:{app}:EncoderReplica"
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if title in " ".join(p.info["cmdline"] or [])]
+
+
+def failover(args, call, requests: list[list], service: ServeRun, app: str) -> dict:
+    """One encoder replica killed (SIGKILL) a quarter into a closed-loop handle load at the
+    highest concurrency: failed calls, tokens/s per second around the kill, and the seconds from
+    the kill until Serve's replacement logs its ready line (it serves from then on)."""
+    victims = encoder_replica_pids(app)
+    if len(victims) < 2:
+        return {"skipped": f"{len(victims)} encoder replica(s): the survivor must carry the load"}
+    concurrency, ready_mark = max(args.concurrency), MARKERS["encoder_ready_s"]
+    readies = service.log.read_text(errors="replace").count(ready_mark)
+    killed: dict[str, float] = {}
+
+    def kill() -> None:
+        killed["at"] = time.perf_counter()
+        os.kill(victims[0], signal.SIGKILL)
+
+    timer = threading.Timer(args.failover / 4, kill)
+    timer.start()
+    samples = asyncio.run(handle_load(call, requests, concurrency, args.failover))
+    timer.join()
+    replaced = None
+    while time.perf_counter() - killed["at"] < args.startup_timeout:
+        if service.log.read_text(errors="replace").count(ready_mark) > readies:
+            replaced = round(time.perf_counter() - killed["at"], 1)
+            break
+        time.sleep(0.5)
+    per_second: dict[int, int] = {}
+    for _, end, tokens, _, _ in samples:
+        second = int((end - killed["at"]) // 1)
+        per_second[second] = per_second.get(second, 0) + tokens
+    before = [v for k, v in per_second.items() if -int(args.failover / 4) < k < 0]
+    after = [v for k, v in per_second.items() if 2 <= k < int(args.failover * 3 / 4)]
+    errors: dict[str, int] = {}
+    for sample in samples:
+        if sample[3] != 200:
+            errors[sample[3]] = errors.get(sample[3], 0) + 1
+    result = {
+        "concurrency": concurrency,
+        "replicas_before": len(victims),
+        "killed_pid": victims[0],
+        "requests": len(samples),
+        "failed": sum(errors.values()),
+        "errors": errors,
+        "tokens_per_s_before": round(statistics.mean(before)) if before else None,
+        "tokens_per_s_after": round(statistics.mean(after)) if after else None,
+        "replacement_ready_s": replaced,
+        "tokens_per_second_from_kill": dict(sorted(per_second.items())),
+    }
+    print(
+        f"failover: {json.dumps({k: v for k, v in result.items() if k != 'tokens_per_second_from_kill'})}", flush=True
+    )
+    return result
+
+
 def run_ours(args, requests: list[list], record: Record) -> None:
     import ray
     from ray import serve
@@ -455,6 +529,9 @@ def run_ours(args, requests: list[list], record: Record) -> None:
         record["mixed"] = {}
         measure(args, "ours", chosen, requests, args.concurrency, record["mixed"], record, lambda: counters(url))
         record["handle_vs_http_max_rel_error"] = compare_handle_and_http(handle, url, requests[:16])
+        if args.failover:
+            record["failover"] = failover(args, call, requests, service, startup["app"])
+            record.save()
         import httpx
 
         model_id = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]][0]
@@ -643,6 +720,9 @@ def table(runs: dict) -> str:
             f"\nOne 448x448 image, concurrency 1, {interface}: p50 {points['1']['p50_ms']:.1f} ms, "
             f"p99 {points['1']['p99_ms']:.1f} ms"
         )
+    if "failover" in ours:
+        shown = {k: v for k, v in ours["failover"].items() if k != "tokens_per_second_from_kill"}
+        lines.append(f"\nOne encoder replica killed under handle load: {shown}")
     for tag, startup in ours.get("startup", {}).items():
         shown = {k: v for k, v in startup.items() if k.endswith("_s")}
         lines.append(f"\nStartup ({tag}): {shown}")
@@ -669,6 +749,9 @@ def main() -> None:
         "--single", type=int, default=256, help="ours: distinct 448x448 images at concurrency 1 (0: skip)"
     )
     parser.add_argument("--replicas", type=int, help="ours: this many encoder replicas, autoscaling off")
+    parser.add_argument(
+        "--failover", type=float, default=0, help="ours: seconds of handle load with one encoder replica killed"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.replicas:

@@ -10,6 +10,8 @@ from importlib import metadata
 import torch
 import transformers
 
+from deployments.http import http_ingress
+
 
 def environment() -> dict:
     return {
@@ -21,6 +23,7 @@ def environment() -> dict:
         "triton": _version("triton"),
         "cudnn": torch.backends.cudnn.version(),
         "python": platform.python_version(),
+        "http_ingress": http_ingress(),
         "date": time.strftime("%Y-%m-%d"),
     }
 

@@ -20,6 +20,19 @@ from .schemas import ErrorResponse
 
 logger = logging.getLogger("ray.serve")
 
+
+def http_ingress() -> str:
+    """How HTTP reaches the routers: "haproxy" (HAProxy in front of each router's own HTTP
+    server: `RAY_SERVE_ENABLE_HA_PROXY=1` where Ray starts), "direct" (each router's own server,
+    no balancer) or "serve-proxy" (Serve's Python proxy, which pickles every body through one
+    process per node: the default, and the HTTP limit at bulk rates)."""
+    from ray.serve._private import constants
+
+    if constants.RAY_SERVE_ENABLE_HA_PROXY:
+        return "haproxy"
+    return "direct" if constants.RAY_SERVE_ENABLE_DIRECT_INGRESS else "serve-proxy"
+
+
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 408, 413, 415, 500, 503, 504)}
 
 

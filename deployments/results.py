@@ -8,6 +8,7 @@ reads them itself: no copy passes through the router or the caller.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,8 @@ import ray
 import torch
 
 from models.protocol import ItemOutput
+
+from .errors import overloaded
 
 
 def owned(output: ItemOutput) -> ItemOutput:
@@ -50,14 +53,30 @@ class EncodeResult(ItemRef):
 
     def _fetched(self) -> ItemOutput:
         if self._output is None:
-            self._output = owned(ray.get(self.ref))
+            with self._lost_as_503():
+                self._output = owned(ray.get(self.ref))
         return self._output
 
     async def fetch(self) -> EncodeResult:
         """Read the tensors without blocking an event loop (inside async code)."""
         if self._output is None:
-            self._output = owned(await self.ref)
+            with self._lost_as_503():
+                self._output = owned(await self.ref)
         return self
+
+    @contextlib.contextmanager
+    def _lost_as_503(self):
+        """The tensors live with the encoder replica that computed them (Ray 2.56 removed `ray.put`'s
+        `_owner`, which could have given them to a longer-lived process): if it died before they were
+        read, the caller gets the same 503 an HTTP client gets, not Ray's internal error."""
+        try:
+            yield
+        except ray.exceptions.ObjectLostError as error:  # OwnerDiedError among them
+            raise overloaded(
+                f"items[{self.index}]: the encoder replica that computed this result failed before it was "
+                "read; send the request again",
+                1,
+            ) from error
 
     @property
     def embedding(self) -> torch.Tensor:

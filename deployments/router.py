@@ -27,7 +27,7 @@ from .config import AppConfig
 from .encode_queue import EncodeQueue
 from .errors import RequestError, overloaded
 from .fleet import EncoderFleet
-from .http import create_api
+from .http import create_api, http_ingress
 from .intake import Intake, raw_from_http, raw_from_python
 from .metrics import RouterMetrics, refresh_gauges
 from .ref_hold import ReferenceHold
@@ -99,9 +99,10 @@ class EncoderRouter:
         api.state.router = self  # the serving app's handlers reach the router through this
         set_proxy_access_log(config.router.log_requests)
         logger.info(
-            "router ready in %.1f s (%d decode workers). Attach from Python: %s",
+            "router ready in %.1f s (%d decode workers, HTTP through %s). Attach from Python: %s",
             time.perf_counter() - start,
             self.intake.pool.size,
+            http_ingress(),
             attach_hint(serve.get_replica_context().app_name),
         )
 
@@ -270,6 +271,7 @@ class EncoderRouter:
             "embedding_bytes_received": self.embedding_bytes_received,
             "handle_refs_held": len(self.handed_out),
             "decode_pool": self.intake.describe(),
+            "http_ingress": http_ingress(),
             "pid": os.getpid(),
             "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
             # without the object store's shared pages this process has touched (HTTP responses)
