@@ -218,6 +218,38 @@ def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, refe
     serve_harness.wait_running("faults")  # Serve restarted the replica
 
 
+def test_a_handle_result_whose_replica_died_before_it_was_read_is_a_clear_503(serve_harness):
+    """A handle caller reads its tensors from the process that stored them (an encoder replica)
+    after its request returned: once that process is known dead, reading them raises the
+    service's 503 (send again), not Ray's internal error. Seen under load by `e2e_bench
+    --failover`; here a plain actor stores the tensors in the replica's place."""
+    import ray
+    import torch
+
+    from deployments.errors import RequestError
+    from deployments.results import EncodeResult
+    from models.protocol import ItemOutput
+
+    @ray.remote(num_cpus=0)
+    class Store:
+        def put(self):
+            return os.getpid(), [ray.put(ItemOutput(torch.ones(4, 8)))]
+
+    pid, [ref] = ray.get(Store.remote().put.remote())
+    os.kill(pid, signal.SIGKILL)
+    deadline, lost = time.monotonic() + 30, None
+    while lost is None and time.monotonic() < deadline:  # Ray learns of the death within a second or so
+        try:
+            assert EncodeResult(2, "image", (1, 4, 4), 4, ref).embedding.shape == (4, 8)  # not known dead yet
+            time.sleep(0.1)
+        except RequestError as error:
+            lost = error
+    assert lost is not None and lost.status == 503, lost
+    assert lost.message.startswith("items[2]: the encoder replica") and lost.headers["Retry-After"] == "1"
+    with pytest.raises(RequestError):
+        asyncio.run(EncodeResult(2, "image", (1, 4, 4), 4, ref).fetch())
+
+
 def test_backpressure_answers_503_with_retry_after_and_timeouts_504(serve_harness):
     """Work over max_queued_tokens gets 503 + Retry-After at once; a request not done in time, 504."""
     url = serve_harness.deploy(
