@@ -59,6 +59,11 @@ def _done(value) -> asyncio.Future:
     return future
 
 
+class ResultsLost(RequestError):
+    """Results encoded, then lost with the replica that held them before this router read them (a
+    503 if the request is not encoded again)."""
+
+
 class EncodeQueue:
     def __init__(
         self,
@@ -200,7 +205,8 @@ class EncodeQueue:
             for item in encoded:
                 self.cache.forget_replica(item.replica)
             logger.warning("embeddings lost with their encoder replica: %r", error)
-            raise overloaded("an encoder replica failed after encoding this request; retry", 1) from None
+            lost = overloaded("an encoder replica failed after encoding this request; retry", 1)
+            raise ResultsLost(lost.status, lost.message, error_type=lost.error_type, headers=lost.headers) from None
 
     def stats(self) -> dict:
         return {

@@ -24,7 +24,7 @@ from models import load_preprocessor
 
 from . import chat as chat_api
 from .config import AppConfig
-from .encode_queue import EncodeQueue
+from .encode_queue import EncodeQueue, ResultsLost
 from .errors import RequestError, overloaded
 from .fleet import EncoderFleet
 from .http import create_api, http_ingress
@@ -143,7 +143,11 @@ class EncoderRouter:
         timing: dict[str, float] = {}
         decoded, encoded = await self.encode_raw(raws, body.cache, timing)
         fetch_start = time.perf_counter()
-        outputs = await self.queue.fetch(encoded)
+        try:
+            outputs = await self.queue.fetch(encoded)
+        except ResultsLost:  # the replica died after encoding: the decoded items are still here
+            encoded = await self.queue.encode(decoded)
+            outputs = await self.queue.fetch(encoded)
         timing["fetch"] = time.perf_counter() - fetch_start
         self.embedding_bytes_received += sum(e.nbytes for e in encoded)
         results = [

@@ -218,6 +218,36 @@ def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, refe
     serve_harness.wait_running("faults")  # Serve restarted the replica
 
 
+def test_a_result_lost_with_its_replica_is_encoded_again_over_http(serve_harness, reference_outputs):
+    """The router's cache holds references to results that live with the replica that computed
+    them. Every encoder replica killed, Serve replaces them; the same item again is a cache hit
+    whose read fails, and the router encodes it once more: 200 and transformers' answer, not 503."""
+    url = serve_harness.deploy(
+        "configs/local.yaml",
+        name="faults",
+        route_prefix="/faults",
+        deployments={"EncoderReplica": {"num_replicas": 2}},
+        router={"max_wait_ms": 10, "request_timeout_s": 60},
+    )
+    body = {"items": [{"type": "image", "image": base64.b64encode(POOL[5]).decode()}], "cache": True}
+    with httpx.Client(timeout=60) as client:
+        assert client.post(url + "/v1/encode", json=body).status_code == 200
+        killed = replica_pids("faults")
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(set(replica_pids("faults")) - set(killed)) < 2:
+            time.sleep(0.5)
+        serve_harness.wait_running("faults")
+        while time.monotonic() < deadline and client.get(url + "/health").status_code != 200:
+            time.sleep(0.5)  # the router sees the new replicas
+        before = model_detail(client, url)["router"]["cache"]
+        again = client.post(url + "/v1/encode", json=body)
+        after = model_detail(client, url)["router"]["cache"]
+    check_good({"status": again.status_code, "picks": [5], "body": again.json()}, reference_outputs)
+    assert after["hits"] == before["hits"] + 1 and after["misses"] == before["misses"] + 1  # lost, then encoded
+
+
 def test_a_handle_result_whose_replica_died_before_it_was_read_is_a_clear_503(serve_harness):
     """A handle caller reads its tensors from the process that stored them (an encoder replica)
     after its request returned: once that process is known dead, reading them raises the
