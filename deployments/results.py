@@ -23,9 +23,15 @@ from .errors import overloaded
 def owned(output: ItemOutput) -> ItemOutput:
     """The caller's own copy. What `ray.get` returns shares the node's object store pages with
     every other reader of the object (the router's cache serves it to later requests), so a
-    caller writing in place would change their results too."""
-    deepstack = None if output.deepstack is None else output.deepstack.clone()
-    return ItemOutput(output.tokens.clone(), deepstack)
+    caller writing in place would change their results too. A tensor already in memory of its
+    own (a deepstack sent as levels is stacked when read) is kept as is: one copy, not two."""
+    deepstack = None if output.deepstack is None else _private(output.deepstack)
+    return ItemOutput(_private(output.tokens), deepstack)
+
+
+def _private(tensor: torch.Tensor) -> torch.Tensor:
+    # torch's allocator made a resizable storage; one over numpy's view of shared pages is not
+    return tensor if tensor.untyped_storage().resizable() else tensor.clone()
 
 
 @dataclass

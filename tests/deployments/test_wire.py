@@ -10,6 +10,7 @@ import pickle
 import torch
 
 from deployments.encoder import PackRequest
+from deployments.results import owned
 from models.protocol import ItemOutput, ItemSpec
 
 
@@ -57,3 +58,17 @@ def test_an_items_deepstack_levels_go_out_of_band_without_a_copy():
     end = start + pack_deepstack.nbytes
     inside = [b for b in buffers if start <= memoryview(b.raw()).obj.__array_interface__["data"][0] < end]
     assert len(inside) == 3
+
+
+def test_a_caller_owns_its_result_after_one_copy():
+    """`owned` copies what shares the object store's pages (the tokens, read in place) and keeps
+    what reading already copied (the deepstack, stacked from its levels); either way, writing to
+    the caller's tensors changes nothing another reader sees."""
+    pack_deepstack = torch.randn(3, 300, 64).to(torch.bfloat16)
+    back, _, _ = pickled(ItemOutput(torch.randn(50, 64).to(torch.bfloat16), pack_deepstack[:, 100:150]))
+    mine = owned(back)
+    assert mine.deepstack is back.deepstack and mine.tokens.data_ptr() != back.tokens.data_ptr()
+    mine.tokens.zero_()
+    assert back.tokens.abs().sum() > 0  # the shared copy is untouched
+    whole, _, _ = pickled(ItemOutput(torch.randn(50, 64), torch.randn(3, 50, 64)))  # one block: read in place
+    assert owned(whole).deepstack.data_ptr() != whole.deepstack.data_ptr()
