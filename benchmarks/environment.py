@@ -10,10 +10,10 @@ from importlib import metadata
 import torch
 import transformers
 
-from deployments.http import http_ingress
-
 
 def environment() -> dict:
+    from deployments.http import http_ingress  # Ray's flags, as the service started from here reads them
+
     return {
         "command": " ".join(sys.argv),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",

@@ -47,6 +47,10 @@ class EmbeddingCache:
         self.hits += 1
         return value
 
+    def peek(self, key: bytes):
+        """The entry, without counting a hit or a miss or refreshing its place."""
+        return self._entries.get(key)
+
     def put(self, key: bytes, value) -> None:
         """Store `value` (with `nbytes` and `replica` attributes), evicting least recently used ones."""
         if value.nbytes > self.max_bytes or key in self._entries:

@@ -59,6 +59,21 @@ def _done(value) -> asyncio.Future:
     return future
 
 
+LIVENESS_CHECK_S = 2.0
+"""How often a replica whose cached results a handle or LLM request would use is checked for death."""
+
+
+def replica_dead(actor_id: str) -> bool:
+    """Whether Ray's control store says the actor died (unknown: False). Ray's own state API needs
+    the dashboard, which a cluster may run without; this reads the control store directly."""
+    try:
+        from ray._private import state
+
+        return (state.actors(actor_id=actor_id) or {}).get("State") == "DEAD"
+    except Exception:  # noqa: BLE001 - unknown is not dead
+        return False
+
+
 class ResultsLost(RequestError):
     """Results encoded, then lost with the replica that held them before this router read them (a
     503 if the request is not encoded again)."""
@@ -96,6 +111,7 @@ class EncodeQueue:
         )
         self.cache = EmbeddingCache(router.cache_bytes)
         self.inflight = InflightTable()
+        self._liveness_checked: dict[str, float] = {}
 
     def check_room(self, tokens: int) -> None:
         """503 at once when the service cannot take `tokens` more (no replica, or the queue is full)."""
@@ -106,8 +122,12 @@ class EncodeQueue:
         except Overloaded as exc:
             raise overloaded(str(exc), self.config.router.retry_after_s) from None
 
-    async def encode(self, decoded: list[DecodedItem]) -> list[Encoded]:
-        """Each item's result: from the cache, from an identical item in flight, or from a new pack."""
+    async def encode(self, decoded: list[DecodedItem], check_hits: bool = False) -> list[Encoded]:
+        """Each item's result: from the cache, from an identical item in flight, or from a new pack.
+        `check_hits`: the results will be read elsewhere (a handle caller, the LLM), where a lost one
+        cannot be encoded again, so a hit made by a replica that has died is dropped first."""
+        if check_hits:
+            await self._drop_dead_hits(decoded)
         request_id = uuid.uuid4().hex
         waits, mine, new = [], [], []  # futures to await; (key, future) this request holds; items to queue
         for item in decoded:
@@ -149,6 +169,21 @@ class EncodeQueue:
                 last = key is None or self.inflight.leave(key, future)
                 if last and not future.done():
                     future.cancel()
+
+    async def _drop_dead_hits(self, decoded: list[DecodedItem]) -> None:
+        """Drop the cache entries of replicas that died (asked of Ray at most every
+        `LIVENESS_CHECK_S` per replica), among those this request would hit."""
+        now = time.monotonic()
+        replicas = {entry.replica for item in decoded if item.key is not None and (entry := self.cache.peek(item.key))}
+        due = [r for r in replicas if now - self._liveness_checked.get(r, -LIVENESS_CHECK_S) >= LIVENESS_CHECK_S]
+        for replica in due:
+            self._liveness_checked[replica] = now
+        dead = await asyncio.gather(*(asyncio.to_thread(replica_dead, r) for r in due))
+        for replica, gone in zip(due, dead):
+            if gone:
+                logger.warning("encoder replica %s died: dropping its cached results", replica)
+                self.cache.forget_replica(replica)
+                self._liveness_checked.pop(replica, None)
 
     def _remember(self, key: bytes, future: asyncio.Future) -> None:
         if not future.cancelled() and future.exception() is None:

@@ -24,8 +24,7 @@ logger = logging.getLogger("ray.serve")
 def http_ingress() -> str:
     """How HTTP reaches the routers: "haproxy" (HAProxy in front of each router's own HTTP
     server: `RAY_SERVE_ENABLE_HA_PROXY=1` where Ray starts), "direct" (each router's own server,
-    no balancer) or "serve-proxy" (Serve's Python proxy, which pickles every body through one
-    process per node: the default, and the HTTP limit at bulk rates)."""
+    no balancer) or "serve-proxy" (Serve's Python proxy, one process per node: the default)."""
     from ray.serve._private import constants
 
     if constants.RAY_SERVE_ENABLE_HA_PROXY:

@@ -31,7 +31,8 @@ def owned(output: ItemOutput) -> ItemOutput:
 
 def _private(tensor: torch.Tensor) -> torch.Tensor:
     # torch's allocator made a resizable storage; one over numpy's view of shared pages is not
-    return tensor if tensor.untyped_storage().resizable() else tensor.clone()
+    storage = tensor.untyped_storage()
+    return tensor if storage.resizable() and not tensor.is_shared() else tensor.clone()
 
 
 @dataclass
@@ -77,7 +78,7 @@ class EncodeResult(ItemRef):
         read, the caller gets the same 503 an HTTP client gets, not Ray's internal error."""
         try:
             yield
-        except ray.exceptions.ObjectLostError as error:  # OwnerDiedError among them
+        except (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectReconstructionFailedError) as error:
             raise overloaded(
                 f"items[{self.index}]: the encoder replica that computed this result failed before it was "
                 "read; send the request again",

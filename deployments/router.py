@@ -116,14 +116,15 @@ class EncoderRouter:
 
     # ---- the shared path ----
 
-    async def encode_raw(self, raws, use_cache: bool, timing: dict[str, float] | None = None):
+    async def encode_raw(self, raws, use_cache: bool, timing: dict[str, float] | None = None, read_here: bool = False):
         """Decode and encode request items: (decoded items, references to their results). `timing`
-        gets the seconds each stage took."""
+        gets the seconds each stage took; `read_here`: this router reads the results (HTTP), and
+        encodes again what it finds lost, so cache hits need no check first."""
         start = time.perf_counter()
         decoded = await self.intake.decode(raws, self.queue.check_room, "" if use_cache else None)
         decoded_at = time.perf_counter()
         self.metrics.preprocess_seconds.observe(decoded_at - start)
-        encoded = await self.queue.encode(decoded)
+        encoded = await self.queue.encode(decoded, check_hits=not read_here)
         if timing is not None:
             timing["decode"] = decoded_at - start
             timing["encode"] = time.perf_counter() - decoded_at
@@ -141,7 +142,7 @@ class EncoderRouter:
         self.intake.check_item_count(len(body.items))
         raws = [raw_from_http(i, item) for i, item in enumerate(body.items)]
         timing: dict[str, float] = {}
-        decoded, encoded = await self.encode_raw(raws, body.cache, timing)
+        decoded, encoded = await self.encode_raw(raws, body.cache, timing, read_here=True)
         fetch_start = time.perf_counter()
         try:
             outputs = await self.queue.fetch(encoded)

@@ -248,6 +248,38 @@ def test_a_result_lost_with_its_replica_is_encoded_again_over_http(serve_harness
     assert after["hits"] == before["hits"] + 1 and after["misses"] == before["misses"] + 1  # lost, then encoded
 
 
+def test_a_handle_request_never_gets_a_cached_result_of_a_dead_replica(serve_harness, reference_outputs):
+    """A handle caller reads its results itself, so the router cannot encode a lost one again:
+    before handing out cache hits it drops those of replicas Ray reports dead."""
+    from ray import serve
+
+    url = serve_harness.deploy(
+        "configs/local.yaml",
+        name="faults",
+        route_prefix="/faults",
+        deployments={"EncoderReplica": {"num_replicas": 2}},
+        router={"max_wait_ms": 10, "request_timeout_s": 60},
+    )
+    handle = serve.get_app_handle("faults")
+    first = handle.encode.remote([POOL[7]], cache=True).result()
+    assert relative_error(first[0].embedding, reference_outputs[7]) <= 1e-4
+    killed = replica_pids("faults")
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    with httpx.Client(timeout=60) as client:
+        while time.monotonic() < deadline and len(set(replica_pids("faults")) - set(killed)) < 2:
+            time.sleep(0.5)
+        serve_harness.wait_running("faults")
+        while time.monotonic() < deadline and client.get(url + "/health").status_code != 200:
+            time.sleep(0.5)
+        before = model_detail(client, url)["router"]["cache"]
+        again = handle.encode.remote([POOL[7]], cache=True).result()
+        assert relative_error(again[0].embedding, reference_outputs[7]) <= 1e-4  # readable: encoded anew
+        after = model_detail(client, url)["router"]["cache"]
+    assert after["misses"] == before["misses"] + 1 and after["hits"] == before["hits"]
+
+
 def test_a_handle_result_whose_replica_died_before_it_was_read_is_a_clear_503(serve_harness):
     """A handle caller reads its tensors from the process that stored them (an encoder replica)
     after its request returned: once that process is known dead, reading them raises the
@@ -265,7 +297,8 @@ def test_a_handle_result_whose_replica_died_before_it_was_read_is_a_clear_503(se
         def put(self):
             return os.getpid(), [ray.put(ItemOutput(torch.ones(4, 8)))]
 
-    pid, [ref] = ray.get(Store.remote().put.remote())
+    store = Store.remote()  # held: a dropped handle would end the actor on its own
+    pid, [ref] = ray.get(store.put.remote())
     os.kill(pid, signal.SIGKILL)
     deadline, lost = time.monotonic() + 30, None
     while lost is None and time.monotonic() < deadline:  # Ray learns of the death within a second or so
