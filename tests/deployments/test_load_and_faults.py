@@ -157,14 +157,33 @@ def replica_pids(app: str) -> list[int]:
     return [p.pid for p in psutil.process_iter(["cmdline"]) if title in " ".join(p.info["cmdline"] or [])]
 
 
-def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, reference_outputs):
-    url = serve_harness.deploy(
+def deploy_faults(serve_harness) -> str:
+    """The fault tests' application: two encoder replicas; its URL."""
+    return serve_harness.deploy(
         "configs/local.yaml",
         name="faults",
         route_prefix="/faults",
         deployments={"EncoderReplica": {"num_replicas": 2}},
         router={"max_wait_ms": 10, "request_timeout_s": 60},
     )
+
+
+def kill_encoders_and_wait_for_replacements(serve_harness, client, url: str) -> None:
+    """SIGKILL every encoder replica of the fault tests' application, then wait until Serve has
+    replaced them and the router answers `/health`."""
+    killed = replica_pids("faults")
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(set(replica_pids("faults")) - set(killed)) < 2:
+        time.sleep(0.5)
+    serve_harness.wait_running("faults")
+    while time.monotonic() < deadline and client.get(url + "/health").status_code != 200:
+        time.sleep(0.5)  # the router sees the new replicas
+
+
+def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, reference_outputs):
+    url = deploy_faults(serve_harness)
     requests = build_requests(400, bad_fraction=0.0, seed=3)
     replicas = replica_pids("faults")
     assert len(replicas) == 2, replicas
@@ -222,25 +241,11 @@ def test_a_result_lost_with_its_replica_is_encoded_again_over_http(serve_harness
     """The router's cache holds references to results that live with the replica that computed
     them. Every encoder replica killed, Serve replaces them; the same item again is a cache hit
     whose read fails, and the router encodes it once more: 200 and transformers' answer, not 503."""
-    url = serve_harness.deploy(
-        "configs/local.yaml",
-        name="faults",
-        route_prefix="/faults",
-        deployments={"EncoderReplica": {"num_replicas": 2}},
-        router={"max_wait_ms": 10, "request_timeout_s": 60},
-    )
+    url = deploy_faults(serve_harness)
     body = {"items": [{"type": "image", "image": base64.b64encode(POOL[5]).decode()}], "cache": True}
     with httpx.Client(timeout=60) as client:
         assert client.post(url + "/v1/encode", json=body).status_code == 200
-        killed = replica_pids("faults")
-        for pid in killed:
-            os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(set(replica_pids("faults")) - set(killed)) < 2:
-            time.sleep(0.5)
-        serve_harness.wait_running("faults")
-        while time.monotonic() < deadline and client.get(url + "/health").status_code != 200:
-            time.sleep(0.5)  # the router sees the new replicas
+        kill_encoders_and_wait_for_replacements(serve_harness, client, url)
         before = model_detail(client, url)["router"]["cache"]
         again = client.post(url + "/v1/encode", json=body)
         after = model_detail(client, url)["router"]["cache"]
@@ -253,26 +258,12 @@ def test_a_handle_request_never_gets_a_cached_result_of_a_dead_replica(serve_har
     before handing out cache hits it drops those of replicas Ray reports dead."""
     from ray import serve
 
-    url = serve_harness.deploy(
-        "configs/local.yaml",
-        name="faults",
-        route_prefix="/faults",
-        deployments={"EncoderReplica": {"num_replicas": 2}},
-        router={"max_wait_ms": 10, "request_timeout_s": 60},
-    )
+    url = deploy_faults(serve_harness)
     handle = serve.get_app_handle("faults")
     first = handle.encode.remote([POOL[7]], cache=True).result()
     assert relative_error(first[0].embedding, reference_outputs[7]) <= 1e-4
-    killed = replica_pids("faults")
-    for pid in killed:
-        os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 120
     with httpx.Client(timeout=60) as client:
-        while time.monotonic() < deadline and len(set(replica_pids("faults")) - set(killed)) < 2:
-            time.sleep(0.5)
-        serve_harness.wait_running("faults")
-        while time.monotonic() < deadline and client.get(url + "/health").status_code != 200:
-            time.sleep(0.5)
+        kill_encoders_and_wait_for_replacements(serve_harness, client, url)
         before = model_detail(client, url)["router"]["cache"]
         again = handle.encode.remote([POOL[7]], cache=True).result()
         assert relative_error(again[0].embedding, reference_outputs[7]) <= 1e-4  # readable: encoded anew
