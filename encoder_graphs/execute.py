@@ -61,14 +61,39 @@ def copied(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, copy=True)
 
 
-def moved(out: EncoderOutput, device: torch.device) -> EncoderOutput:
-    """`out` on `device` (itself if it is there), the copies done."""
-    if not (device.type == "cpu" and out.tokens.is_cuda):
-        return EncoderOutput(out.tokens.to(device), None if out.deepstack is None else out.deepstack.to(device))
-    deepstack = None if out.deepstack is None else copied(out.deepstack, device)
-    host = EncoderOutput(copied(out.tokens, device), deepstack)
-    torch.cuda.current_stream(out.tokens.device).synchronize()
-    return host
+def item_outputs(
+    out: EncoderOutput, specs: Sequence[ItemSpec], device: torch.device, copy: bool = False
+) -> list[ItemOutput]:
+    """Per-item outputs on `device`: views of `out` where it already lies there (unless `copy`),
+    else one copy (not waited for) laid out item after item, each item's tokens and deepstack
+    levels one contiguous block: a reader of one item then takes it as it lies, where a view of
+    the pack's `[levels, rows, hidden]` deepstack would have to be gathered first."""
+    items = split_outputs(out, specs)
+    if not items or (out.tokens.device == device and not copy):
+        return items
+    pieces = [piece for item in items for piece in (item.tokens, *(() if item.deepstack is None else item.deepstack))]
+    flat = torch.cat(pieces)  # the gather is the copy where `out` lies; off a GPU, one copy more
+    if flat.device != device:
+        flat = copied(flat, device)
+    laid, offset = [], 0
+    for item in items:
+        rows = item.tokens.shape[0]
+        tokens, offset = flat[offset : offset + rows], offset + rows
+        deepstack = None
+        if item.deepstack is not None:
+            levels = item.deepstack.shape[0]
+            deepstack = flat[offset : offset + levels * rows].view(levels, rows, -1)
+            offset += levels * rows
+        laid.append(ItemOutput(tokens, deepstack))
+    return laid
+
+
+def moved_items(out: EncoderOutput, specs: Sequence[ItemSpec], device: torch.device) -> list[ItemOutput]:
+    """`item_outputs` of `out` on `device`, the copies done."""
+    items = item_outputs(out, specs, device)
+    if out.tokens.is_cuda and device.type != "cuda":
+        torch.cuda.current_stream(out.tokens.device).synchronize()
+    return items
 
 
 class EntryIO:
@@ -142,15 +167,15 @@ class EntryIO:
             entry.forward = self.forwards.plain
             self.forward_into(entry)
 
-    def take(self, entry: GraphEntry, tokens: int, device: torch.device) -> tuple[EncoderOutput, torch.Tensor]:
-        """The used output rows, copied (once) out of the shared static outputs to `device`, and
+    def take(
+        self, entry: GraphEntry, specs: Sequence[ItemSpec], device: torch.device
+    ) -> tuple[list[ItemOutput], torch.Tensor]:
+        """The items' outputs, copied (once) out of the shared static outputs to `device`, and
         whether all of them are finite (a 0-dim tensor computed after the copies; reading it waits)."""
+        tokens = sum(s.output_tokens for s in specs)
         deepstack = entry.outputs.get("deepstack")
-        out = EncoderOutput(
-            tokens=copied(entry.outputs["tokens"][:tokens], device),
-            deepstack=None if deepstack is None else copied(deepstack[:, :tokens], device),
-        )
-        return out, entry.outputs["finite"][:tokens].all()
+        used = EncoderOutput(entry.outputs["tokens"][:tokens], None if deepstack is None else deepstack[:, :tokens])
+        return item_outputs(used, specs, device, copy=True), entry.outputs["finite"][:tokens].all()
 
     def launch(
         self,
@@ -159,8 +184,8 @@ class EntryIO:
         pixel_values: torch.Tensor | Sequence[torch.Tensor],
         specs: Sequence[ItemSpec],
         output_device: torch.device,
-    ) -> tuple[EncoderOutput, torch.Tensor]:
-        """Fill, replay and copy out, without waiting for the GPU: the outputs and their finite flag."""
+    ) -> tuple[list[ItemOutput], torch.Tensor]:
+        """Fill, replay and copy out, without waiting for the GPU: the items' outputs and their finite flag."""
         self.fill(entry, pixel_values, metadata)
         self.execute(entry)
-        return self.take(entry, sum(s.output_tokens for s in specs), output_device)
+        return self.take(entry, specs, output_device)

@@ -170,12 +170,11 @@ class RecurringGraphs:
 
     def _faster(self, entry: GraphEntry, pixel_values: torch.Tensor, plan_ms: float, output_device) -> bool:
         """Whether the entry's run (copy in, replay, copy out) beats the plan's `plan_ms`."""
-        tokens = entry.layout.token_budget
 
         def run_own() -> None:
             self.io.fill(entry, pixel_values, None)
             self.io.execute(entry)
-            self.io.take(entry, tokens, output_device)
+            self.io.take(entry, entry.specs, output_device)
 
         entry.replay_ms = time_ms(run_own, self.encoder.device, repeats=3, warmup=0)
         return entry.replay_ms < plan_ms

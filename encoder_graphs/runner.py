@@ -28,7 +28,7 @@ from .compile_cache import CompileCache, cache_key, environment
 from .config import GraphConfig, Ladder, budget_ladder
 from .entry import GraphEntry, GraphKey, replay_cost
 from .exact_route import ExactRoute
-from .execute import EntryIO, Forwards, moved, split_outputs
+from .execute import EntryIO, Forwards, moved_items
 from .memory import MemoryReport
 from .plan import EagerPlan, GraphPart, GraphPlan, Plan, Planner
 from .recurring import RecurringGraphs
@@ -218,7 +218,7 @@ class EncoderRunner:
             estimate = self.costs.startup_estimate_ms(route, tokens)
             self.costs.time_route((route, budget), attention_shapes(specs), estimate, start)
         self.stats.record_eager(reason, budget, tokens, compiled=compiled, recompile_fallback=fell_back)
-        return split_outputs(moved(out, output_device), specs)
+        return moved_items(out, specs, output_device)
 
     def _run_split(
         self,
@@ -245,20 +245,20 @@ class EncoderRunner:
         # what waits between them: learn the excess.
         self.costs.time_route(("split", budget), [], sum(replay_cost(p.entry) for p in parts), start)
         results: list[ItemOutput | None] = [None] * len(specs)
-        for part, rows, part_specs, (out, finite) in launched:
-            for i, item in zip(part.indices, self._finish(part.entry, out, finite, rows, part_specs, output_device)):
+        for part, rows, part_specs, (items, finite) in launched:
+            for i, item in zip(part.indices, self._finish(part.entry, items, finite, rows, part_specs, output_device)):
                 results[i] = item
         return results
 
     def _run_graph(self, entry, metadata, pixel_values, specs, output_device) -> list[ItemOutput]:
         """`metadata` None: the entry's own (a recurring pack's, baked in)."""
-        out, finite = self.io.launch(entry, metadata, pixel_values, specs, output_device)
-        return self._finish(entry, out, finite, pixel_values, specs, output_device)
+        items, finite = self.io.launch(entry, metadata, pixel_values, specs, output_device)
+        return self._finish(entry, items, finite, pixel_values, specs, output_device)
 
     def _finish(
         self,
         entry: GraphEntry,
-        out: EncoderOutput,
+        results: list[ItemOutput],
         finite: torch.Tensor,
         pixel_values: torch.Tensor | Sequence[torch.Tensor],
         specs: Sequence[ItemSpec],
@@ -268,31 +268,30 @@ class EncoderRunner:
         against eager: a graph that fails either is disabled and the pack served eagerly."""
         tokens = sum(s.output_tokens for s in specs)
         budget = self.table.fitting_budget(tokens) if entry.recurring else entry.key[0]
-        # Sliced before the wait, while the GPU still runs: slicing reads no data.
-        results = split_outputs(out, specs)
         if not bool(finite):
             rows = pixel_values if isinstance(pixel_values, torch.Tensor) else torch.cat(list(pixel_values))
             eager = self.encoder.forward_eager(rows, specs)
             if bool(torch.isfinite(eager.tokens).all()):
                 self._disable(entry, "non-finite output at run time")
             self.stats.record_eager("nonfinite", budget, tokens)
-            return split_outputs(moved(eager, output_device), specs)
+            return moved_items(eager, specs, output_device)
         if not entry.verified and self.config.self_check:
-            eager = self._first_pack_mismatch(entry, out, pixel_values, specs)
+            eager = self._first_pack_mismatch(entry, results, pixel_values, specs)
             if eager is not None:
                 self.stats.record_eager("mismatch", budget, tokens)
-                return split_outputs(moved(eager, output_device), specs)
+                return moved_items(eager, specs, output_device)
         self.stats.record_graph(budget, tokens, recurring=entry.recurring)
         return results
 
-    def _first_pack_mismatch(self, entry, out: EncoderOutput, pixel_values, specs) -> EncoderOutput | None:
+    def _first_pack_mismatch(self, entry, items: list[ItemOutput], pixel_values, specs) -> EncoderOutput | None:
         """A graph's first real pack against the eager forward of the same items: None when they
         agree, else the eager output (the graph is disabled)."""
         rows = pixel_values if isinstance(pixel_values, torch.Tensor) else torch.cat(list(pixel_values))
         eager = self.encoder.forward_eager(rows, specs)
         entry.verified = True
         self.stats.first_pack_checks += 1
-        error = pack_error(out.tokens, out.deepstack, eager)
+        deepstack = None if items[0].deepstack is None else torch.cat([item.deepstack for item in items], dim=1)
+        error = pack_error(torch.cat([item.tokens for item in items]), deepstack, eager)
         if error <= self.config.self_check_tolerance:  # False for NaN
             return None
         self.stats.first_pack_mismatches += 1

@@ -59,6 +59,16 @@ def assert_matches_reference(reference, pixel_values, specs, outputs, tolerance=
         row += spec.input_patches
 
 
+def assert_each_item_is_one_block(outputs):
+    """Copied out of a graph's buffers, each item is one contiguous block (its tokens, then its
+    deepstack levels): a reader takes it as it lies, with nothing to gather."""
+    for out in outputs:
+        assert out.tokens.is_contiguous()
+        if out.deepstack is not None:
+            assert out.deepstack.is_contiguous()
+            assert out.deepstack.data_ptr() == out.tokens.data_ptr() + out.tokens.nbytes
+
+
 @pytest.mark.parametrize("fixture", ["qwen3", "qwen25"])
 def test_runner_outputs_match_transformers_per_item(fixture, request):
     encoder, reference = request.getfixturevalue(fixture)
@@ -67,7 +77,9 @@ def test_runner_outputs_match_transformers_per_item(fixture, request):
     for count in (1, 3, 8):
         sizes = [(int(rng.integers(30, 400)), int(rng.integers(30, 400))) for _ in range(count)]
         pixels, specs = make_images(encoder, rng, sizes)
-        assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+        outputs = runner.run(pixels, specs)
+        assert_matches_reference(reference, pixels, specs, outputs)
+        assert_each_item_is_one_block(outputs)
     clip = encoder.preprocessor.resize_video(random_video(rng, 4, 120, 90))
     spec = encoder.preprocessor.spec("video", 4, *clip.shape[-2:])
     pixels = encoder.preprocessor.pixel_values([clip], "video")
