@@ -5,7 +5,8 @@
 Systems (`--systems`; each saved as `<out>/e2e_<system>.json`, the report built from all there):
 - `ours`: `serve run <config>` in a separate process, as a user starts it. Records the seconds to
   the first correct answer and to full speed (every graph live), then loads it closed-loop through
-  the handle (from this separate driver process), HTTP safetensors and HTTP JSON at each
+  the handle (from this separate driver process, or `--handle-processes` of them), HTTP
+  safetensors and HTTP JSON at each
   concurrency, one 448x448 image at concurrency 1, and checks that handle and HTTP results agree.
   `--restart` starts it once more (the compile cache now filled) and records the same times.
 - `batched`, `plain`: `benchmarks/baselines.py` on the same GPU (transformers' tower behind a
@@ -165,21 +166,24 @@ async def _http_clients(url: str, bodies: list[bytes], fmt: str, concurrency: in
     return samples
 
 
-def _http_process(args) -> list:
-    return asyncio.run(_http_clients(*args))
+def _http_process(args) -> tuple[list, float]:
+    began = own_cpu_seconds()
+    samples = asyncio.run(_http_clients(*args))
+    return samples, own_cpu_seconds() - began
 
 
-def http_load(url: str, bodies: list[bytes], fmt: str, concurrency: int, seconds: float) -> list:
+def http_load(url: str, bodies: list[bytes], fmt: str, concurrency: int, seconds: float) -> tuple[list, float]:
     """Closed loop over HTTP from several client processes (one Python process cannot read the
-    responses of a fast service)."""
+    responses of a fast service): the samples and the CPU seconds the clients used."""
     processes = min(8, concurrency)
     shares = [concurrency // processes + (p < concurrency % processes) for p in range(processes)]
     jobs = [(url, bodies, fmt, share, seconds, p * 7919) for p, share in enumerate(shares)]
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        return [sample for part in pool.map(_http_process, jobs) for sample in part]
+        parts = pool.map(_http_process, jobs)
+    return [sample for part, _ in parts for sample in part], sum(cpu for _, cpu in parts)
 
 
-async def handle_load(call, requests: list[list], concurrency: int, seconds: float) -> list:
+async def handle_load(call, requests: list[list], concurrency: int, seconds: float, offset: int = 0) -> list:
     """`call(items) -> tokens` (or `(tokens, the service's stages in ms)`) awaited in a closed loop
     by `concurrency` callers; a call the service fails is a sample with the error's name."""
     from ray.exceptions import RayError
@@ -189,7 +193,7 @@ async def handle_load(call, requests: list[list], concurrency: int, seconds: flo
     samples, stop = [], time.perf_counter() + seconds
 
     async def client(worker: int) -> None:
-        n = worker
+        n = offset + worker
         while time.perf_counter() < stop:
             start = time.perf_counter()
             try:
@@ -205,6 +209,64 @@ async def handle_load(call, requests: list[list], concurrency: int, seconds: flo
 
     await asyncio.gather(*(client(w) for w in range(concurrency)))
     return samples
+
+
+def handle_call(handle) -> Callable:
+    """One caller's request through the service's handle, results read from the encoder replica."""
+
+    async def call(items: list) -> tuple[int, dict]:
+        results = await handle.encode.remote(handle_items(items), cache=False)
+        await asyncio.gather(*(r.fetch() for r in results))
+        return sum(int(r.embedding.shape[0]) for r in results), results[0].timing_ms
+
+    return call
+
+
+def _handle_process(
+    address: str, app: str, requests: list, concurrency: int, seconds: float, offset: int, barrier, out
+):
+    import ray
+    from ray import serve
+
+    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    try:
+        call = handle_call(serve.get_app_handle(app))
+        barrier.wait()  # every driver connected before any starts the clock
+        began = own_cpu_seconds()
+        samples = asyncio.run(handle_load(call, requests, concurrency, seconds, offset))
+        out.put((samples, own_cpu_seconds() - began))
+    finally:
+        ray.shutdown()
+
+
+def handles_load(
+    address: str, app: str, requests: list, concurrency: int, seconds: float, processes: int
+) -> tuple[list, float]:
+    """Closed loop through the handle from several driver processes (each its own Ray driver): one
+    Python process reading every result is a limit of the caller, not of the service. The samples
+    and the CPU seconds the drivers used while loading."""
+    processes = min(processes, concurrency)
+    shares = [concurrency // processes + (p < concurrency % processes) for p in range(processes)]
+    context = multiprocessing.get_context("spawn")
+    barrier, out = context.Barrier(processes), context.Queue()
+    drivers = [
+        context.Process(target=_handle_process, args=(address, app, requests, share, seconds, p * 7919, barrier, out))
+        for p, share in enumerate(shares)
+    ]
+    for driver in drivers:
+        driver.start()
+    parts = [out.get(timeout=seconds + 300) for _ in drivers]
+    for driver in drivers:
+        driver.join()
+    return [sample for part, _ in parts for sample in part], sum(cpu for _, cpu in parts)
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds so far of this process (all its threads, Ray's included)."""
+    import resource
+
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
 
 
 def summarize(samples: list, warmup_s: float) -> dict:
@@ -245,11 +307,10 @@ def serve_cpu_seconds() -> dict[str, float]:
     import psutil
 
     used: dict[str, float] = {}
-    ours = {os.getpid(), *(child.pid for child in psutil.Process().children(recursive=True))}
     for process in psutil.process_iter(["cmdline", "cpu_times", "name"]):
-        if process.pid in ours:  # this benchmark and its clients (their command lines name --out)
-            continue
         title = " ".join(process.info["cmdline"] or [])
+        if process.pid == os.getpid() or "multiprocessing" in title:  # this benchmark and its callers
+            continue
         for name in SERVE_PROCESSES:
             found = process.info["name"] == name if name == "haproxy" else name in title
             if found and process.info["cpu_times"] is not None:
@@ -289,14 +350,19 @@ def measure(
         bodies = [http_body(r, how[2], name == "ours") for r in requests] if how[0] == "http" else None
         for concurrency in concurrencies:
             seconds = args.seconds + args.warmup
-            cpu_before, began = serve_cpu_seconds(), time.perf_counter()
+            cpu_before, own_before, began = serve_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
+            clients_cpu = 0.0  # callers in other processes report their own
             if how[0] == "http":
-                samples = http_load(how[1], bodies, how[2], concurrency, seconds)
+                samples, clients_cpu = http_load(how[1], bodies, how[2], concurrency, seconds)
+            elif how[0] == "handles":
+                samples, clients_cpu = handles_load(*how[1:3], requests, concurrency, seconds, how[3])
             else:
                 samples = asyncio.run(handle_load(how[1], requests, concurrency, seconds))
             elapsed, cpu_after = time.perf_counter() - began, serve_cpu_seconds()
             row = rows.setdefault(interface, {})[str(concurrency)] = summarize(samples, args.warmup)
             row["cores_used"] = {k: round((v - cpu_before.get(k, 0.0)) / elapsed, 2) for k, v in cpu_after.items()}
+            callers = own_cpu_seconds() - own_before + clients_cpu
+            row["cores_used"]["benchmark_callers"] = round(callers / elapsed, 2)
             if snapshot is not None:
                 row["service_after"] = snapshot()
             print(
@@ -519,20 +585,16 @@ def run_ours(args, requests: list[list], record: Record) -> None:
     try:
         ray.init(address=service.address, log_to_driver=False)
         handle = serve.get_app_handle(startup["app"])
-
-        async def call(items: list) -> int:
-            results = await handle.encode.remote(handle_items(items), cache=False)
-            await asyncio.gather(*(r.fetch() for r in results))
-            return sum(int(r.embedding.shape[0]) for r in results), results[0].timing_ms
-
+        call = handle_call(handle)
         url = startup["url"]
+        drivers = ("handles", service.address, startup["app"], args.handle_processes)
         interfaces = {
-            "handle": ("handle", call),
+            "handle": ("handle", call) if args.handle_processes == 1 else drivers,
             "safetensors": ("http", url + "/v1/encode", "safetensors"),
             "json": ("http", url + "/v1/encode", "base64"),
         }
         if args.single:
-            single = {k: interfaces[k] for k in ("handle", "safetensors")}
+            single = {"handle": ("handle", call), "safetensors": interfaces["safetensors"]}
             record["single_448"] = {}
             measure(args, "ours", single, single_images(args.single), [1], record["single_448"], record)
         chosen = {k: interfaces[k] for k in args.interfaces.split(",")}
@@ -761,6 +823,12 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, help="ours: this many encoder replicas, autoscaling off")
     parser.add_argument(
         "--failover", type=float, default=0, help="ours: seconds of handle load with one encoder replica killed"
+    )
+    parser.add_argument(
+        "--handle-processes",
+        type=int,
+        default=1,
+        help="ours: driver processes sharing the mixed handle load (1: all callers in this process)",
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
