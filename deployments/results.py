@@ -24,7 +24,7 @@ def owned(output: ItemOutput) -> ItemOutput:
     """The caller's own copy. What `ray.get` returns shares the node's object store pages with
     every other reader of the object (the router's cache serves it to later requests), so a
     caller writing in place would change their results too. A tensor already in memory of its
-    own (a deepstack sent as levels is stacked when read) is kept as is: one copy, not two."""
+    own (a deepstack a CPU replica sent as levels is stacked when read) is kept: one copy, not two."""
     deepstack = None if output.deepstack is None else _private(output.deepstack)
     return ItemOutput(_private(output.tokens), deepstack)
 

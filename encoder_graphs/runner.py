@@ -138,7 +138,7 @@ class EncoderRunner:
         recurring: bool = True,
     ) -> list[ItemOutput]:
         """Encode one pack (`pixel_values` rows in item order) and return one output per item, on
-        `output_device` (default: the encoder's), copied once out of the static buffers.
+        `output_device` (default: the encoder's), copied out of the static buffers item after item.
         `recurring` False: neither run nor count toward the pack's own graph."""
         output_device = torch.device(output_device) if output_device is not None else self.device
         with self.device_lock:
@@ -290,8 +290,13 @@ class EncoderRunner:
         eager = self.encoder.forward_eager(rows, specs)
         entry.verified = True
         self.stats.first_pack_checks += 1
-        deepstack = None if items[0].deepstack is None else torch.cat([item.deepstack for item in items], dim=1)
-        error = pack_error(torch.cat([item.tokens for item in items]), deepstack, eager)
+        # the items (page-locked on the host) go to the GPU before they are joined, not after
+        device = eager.tokens.device
+        tokens = torch.cat([item.tokens.to(device, non_blocking=True) for item in items])
+        deepstack = None
+        if items[0].deepstack is not None:
+            deepstack = torch.cat([item.deepstack.to(device, non_blocking=True) for item in items], dim=1)
+        error = pack_error(tokens, deepstack, eager)
         if error <= self.config.self_check_tolerance:  # False for NaN
             return None
         self.stats.first_pack_mismatches += 1

@@ -93,7 +93,9 @@ def to_wire(tensor: torch.Tensor | None):
     of band (one copy in, zero copies out), where a pickled tensor goes through the pickle
     stream and takes its whole storage along (a view of a pack carries the pack). A view whose
     slices along the first dim are each contiguous (an item's deepstack levels, cut from a
-    pack's `[levels, tokens, hidden]`) goes as those slices, not copied into one block first."""
+    pack's `[levels, tokens, hidden]` where outputs stay on the device that made them) goes as
+    those slices, not copied into one block first; outputs copied off a GPU come laid out one
+    item after another (`encoder_graphs.execute.item_outputs`) and go as they lie."""
     if tensor is None or tensor.device.type != "cpu":
         return tensor
     kind = "bfloat16" if tensor.dtype == torch.bfloat16 else ""
