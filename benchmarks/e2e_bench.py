@@ -222,42 +222,73 @@ def handle_call(handle) -> Callable:
     return call
 
 
+DRIVER_START_S = 120.0
+"""Longest a handle driver process may take to connect before the point is abandoned."""
+
+
+class Window:
+    """The span a point's load ran, and the CPU seconds the Serve processes and this process used in it."""
+
+    def open(self) -> None:
+        self.began, self.serve, self.own = time.perf_counter(), serve_cpu_seconds(), own_cpu_seconds()
+
+    def close(self) -> None:
+        self.elapsed = time.perf_counter() - self.began
+        self.serve_used = {k: v - self.serve.get(k, 0.0) for k, v in serve_cpu_seconds().items()}
+        self.own_used = own_cpu_seconds() - self.own
+
+
 def _handle_process(
     address: str, app: str, requests: list, concurrency: int, seconds: float, offset: int, barrier, out
-):
+) -> None:
     import ray
     from ray import serve
 
-    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
     try:
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
         call = handle_call(serve.get_app_handle(app))
-        barrier.wait()  # every driver connected before any starts the clock
+        barrier.wait(DRIVER_START_S)  # every driver connected before any starts the clock
         began = own_cpu_seconds()
         samples = asyncio.run(handle_load(call, requests, concurrency, seconds, offset))
         out.put((samples, own_cpu_seconds() - began))
+    except BaseException as error:  # the parent must hear of it, not wait for it
+        barrier.abort()
+        out.put(f"handle driver {offset}: {type(error).__name__}: {error}")
+        raise
     finally:
         ray.shutdown()
 
 
 def handles_load(
-    address: str, app: str, requests: list, concurrency: int, seconds: float, processes: int
+    address: str, app: str, requests: list, concurrency: int, seconds: float, processes: int, window: Window
 ) -> tuple[list, float]:
     """Closed loop through the handle from several driver processes (each its own Ray driver): one
     Python process reading every result is a limit of the caller, not of the service. The samples
-    and the CPU seconds the drivers used while loading."""
+    and the CPU seconds the drivers used while loading; `window` spans the load, not the drivers'
+    start and shutdown."""
     processes = min(processes, concurrency)
     shares = [concurrency // processes + (p < concurrency % processes) for p in range(processes)]
     context = multiprocessing.get_context("spawn")
-    barrier, out = context.Barrier(processes), context.Queue()
+    barrier, out = context.Barrier(processes + 1), context.Queue()
     drivers = [
         context.Process(target=_handle_process, args=(address, app, requests, share, seconds, p * 7919, barrier, out))
         for p, share in enumerate(shares)
     ]
-    for driver in drivers:
-        driver.start()
-    parts = [out.get(timeout=seconds + 300) for _ in drivers]
-    for driver in drivers:
-        driver.join()
+    try:
+        for driver in drivers:
+            driver.start()
+        barrier.wait(DRIVER_START_S)  # raises if a driver failed to connect
+        window.open()
+        parts = [out.get(timeout=seconds + 300) for _ in drivers]
+        window.close()
+    finally:
+        for driver in drivers:
+            driver.join(30)
+            if driver.is_alive():
+                driver.terminate()
+    failed = [part for part in parts if isinstance(part, str)]
+    if failed:
+        raise RuntimeError("; ".join(failed))
     return [sample for part, _ in parts for sample in part], sum(cpu for _, cpu in parts)
 
 
@@ -344,25 +375,27 @@ def measure(
     snapshot: Callable[[], dict] | None = None,
 ) -> None:
     """Fill `rows` (part of `record`, saved after each point). `interfaces`: name -> ("http", url,
-    format) or ("handle", call). Each point records the cores the Serve processes used during it
-    (is the router the limit?) and, with `snapshot`, the service's own counters after it."""
+    format), ("handle", call) or ("handles", address, app, processes). Each point records the cores
+    the Serve processes and the benchmark's own callers used during it (is the router or the
+    caller the limit?) and, with `snapshot`, the service's own counters after it."""
     for interface, how in interfaces.items():
         bodies = [http_body(r, how[2], name == "ours") for r in requests] if how[0] == "http" else None
         for concurrency in concurrencies:
             seconds = args.seconds + args.warmup
-            cpu_before, own_before, began = serve_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
-            clients_cpu = 0.0  # callers in other processes report their own
-            if how[0] == "http":
-                samples, clients_cpu = http_load(how[1], bodies, how[2], concurrency, seconds)
-            elif how[0] == "handles":
-                samples, clients_cpu = handles_load(*how[1:3], requests, concurrency, seconds, how[3])
+            window, clients_cpu = Window(), 0.0  # callers in other processes report their own CPU
+            if how[0] == "handles":
+                samples, clients_cpu = handles_load(*how[1:3], requests, concurrency, seconds, how[3], window)
             else:
-                samples = asyncio.run(handle_load(how[1], requests, concurrency, seconds))
-            elapsed, cpu_after = time.perf_counter() - began, serve_cpu_seconds()
+                window.open()
+                if how[0] == "http":
+                    samples, clients_cpu = http_load(how[1], bodies, how[2], concurrency, seconds)
+                else:
+                    samples = asyncio.run(handle_load(how[1], requests, concurrency, seconds))
+                window.close()
             row = rows.setdefault(interface, {})[str(concurrency)] = summarize(samples, args.warmup)
-            row["cores_used"] = {k: round((v - cpu_before.get(k, 0.0)) / elapsed, 2) for k, v in cpu_after.items()}
-            callers = own_cpu_seconds() - own_before + clients_cpu
-            row["cores_used"]["benchmark_callers"] = round(callers / elapsed, 2)
+            row["cores_used"] = {k: round(v / window.elapsed, 2) for k, v in window.serve_used.items()}
+            callers = window.own_used + clients_cpu
+            row["cores_used"]["benchmark_callers"] = round(callers / window.elapsed, 2)
             if snapshot is not None:
                 row["service_after"] = snapshot()
             print(
