@@ -15,6 +15,7 @@ from encoder_graphs.recurring import RECURRING_MIN_FREE
 from encoder_graphs.runner import EncoderRunner, canonical_order
 from models import from_preset, transformers_tower
 from models.attention import AttentionBackend
+from models.protocol import ItemOutput
 from tests.helpers import random_image, random_video, relative_error, warmed
 
 pytestmark = pytest.mark.gpu
@@ -91,8 +92,17 @@ def test_replayed_packs_match_transformers(encoder, runner, references):
         pixels = pre.pixel_values(resized, modality, device="cuda").to(encoder.dtype)
         for ours, theirs in item_errors(references, pixels, specs, runner.run(pixels, specs)):
             assert ours <= 1.5 * theirs + 1e-3, (modality, [s.grid_thw for s in specs], ours, theirs)
+        # as a replica serves them: copied to the host in one copy, each item one block
+        on_host = runner.run(pixels, specs, output_device="cpu", recurring=False)
+        for out in on_host:
+            assert out.tokens.device.type == "cpu" and out.tokens.is_contiguous()
+            assert out.deepstack.is_contiguous()
+            assert out.deepstack.data_ptr() == out.tokens.data_ptr() + out.tokens.nbytes
+        back = [ItemOutput(out.tokens.cuda(), out.deepstack.cuda()) for out in on_host]
+        for ours, theirs in item_errors(references, pixels, specs, back):
+            assert ours <= 1.5 * theirs + 1e-3, (modality, [s.grid_thw for s in specs], ours, theirs)
     assert sum(runner.stats.graph_hits.values()) > hits_before
-    assert runner.stats.eager_fallbacks["oversize"] == 1
+    assert runner.stats.eager_fallbacks["oversize"] == 2  # the big image, on the GPU and to the host
     assert runner.stats.first_pack_checks > 0 and runner.stats.first_pack_mismatches == 0
 
 
