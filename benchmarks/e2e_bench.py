@@ -166,21 +166,19 @@ async def _http_clients(url: str, bodies: list[bytes], fmt: str, concurrency: in
     return samples
 
 
-def _http_process(args) -> tuple[list, float]:
-    began = own_cpu_seconds()
-    samples = asyncio.run(_http_clients(*args))
-    return samples, own_cpu_seconds() - began
+def _http_share(url: str, bodies: list[bytes], fmt: str, concurrency: int, seconds: float, offset: int):
+    """One client process's share of the HTTP load: (run it, clean up)."""
+    return (lambda: asyncio.run(_http_clients(url, bodies, fmt, concurrency, seconds, offset))), (lambda: None)
 
 
-def http_load(url: str, bodies: list[bytes], fmt: str, concurrency: int, seconds: float) -> tuple[list, float]:
+def http_load(
+    url: str, bodies: list[bytes], fmt: str, concurrency: int, seconds: float, window: Window
+) -> tuple[list, float]:
     """Closed loop over HTTP from several client processes (one Python process cannot read the
     responses of a fast service): the samples and the CPU seconds the clients used."""
     processes = min(8, concurrency)
-    shares = [concurrency // processes + (p < concurrency % processes) for p in range(processes)]
-    jobs = [(url, bodies, fmt, share, seconds, p * 7919) for p, share in enumerate(shares)]
-    with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        parts = pool.map(_http_process, jobs)
-    return [sample for part, _ in parts for sample in part], sum(cpu for _, cpu in parts)
+    jobs = [(url, bodies, fmt, share, seconds, p * 7919) for p, share in enumerate(shares(concurrency, processes))]
+    return processes_load(_http_share, jobs, seconds, window)
 
 
 async def handle_load(call, requests: list[list], concurrency: int, seconds: float, offset: int = 0) -> list:
@@ -222,8 +220,8 @@ def handle_call(handle) -> Callable:
     return call
 
 
-DRIVER_START_S = 120.0
-"""Longest a handle driver process may take to connect before the point is abandoned."""
+CLIENT_START_S = 120.0
+"""Longest a client process may take to start and connect before the point is abandoned."""
 
 
 class Window:
@@ -238,58 +236,72 @@ class Window:
         self.own_used = own_cpu_seconds() - self.own
 
 
-def _handle_process(
-    address: str, app: str, requests: list, concurrency: int, seconds: float, offset: int, barrier, out
-) -> None:
+def shares(concurrency: int, processes: int) -> list[int]:
+    """`concurrency` callers split over `processes` as evenly as they go."""
+    return [concurrency // processes + (p < concurrency % processes) for p in range(processes)]
+
+
+def _handle_share(address: str, app: str, requests: list, concurrency: int, seconds: float, offset: int):
+    """One driver process's share of the handle load (its own Ray driver): (run it, clean up)."""
     import ray
     from ray import serve
 
+    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    call = handle_call(serve.get_app_handle(app))
+    return (lambda: asyncio.run(handle_load(call, requests, concurrency, seconds, offset))), ray.shutdown
+
+
+def _client_process(setup: Callable, job: tuple, barrier, out) -> None:
+    close = None
     try:
-        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
-        call = handle_call(serve.get_app_handle(app))
-        barrier.wait(DRIVER_START_S)  # every driver connected before any starts the clock
+        run, close = setup(*job)
+        barrier.wait(CLIENT_START_S)  # every client ready before any starts the clock
         began = own_cpu_seconds()
-        samples = asyncio.run(handle_load(call, requests, concurrency, seconds, offset))
+        samples = run()
         out.put((samples, own_cpu_seconds() - began))
     except BaseException as error:  # the parent must hear of it, not wait for it
         barrier.abort()
-        out.put(f"handle driver {offset}: {type(error).__name__}: {error}")
+        out.put(f"client process {job[-1]}: {type(error).__name__}: {error}")
         raise
     finally:
-        ray.shutdown()
+        if close is not None:
+            close()
+
+
+def processes_load(setup: Callable, jobs: list[tuple], seconds: float, window: Window) -> tuple[list, float]:
+    """`setup(*job)` in a spawned process per job, then all loads at once: the samples and the CPU
+    seconds the clients used. `window` spans the loads, not the processes' start and shutdown."""
+    context = multiprocessing.get_context("spawn")
+    barrier, out = context.Barrier(len(jobs) + 1), context.Queue()
+    clients = [context.Process(target=_client_process, args=(setup, job, barrier, out)) for job in jobs]
+    try:
+        for client in clients:
+            client.start()
+        barrier.wait(CLIENT_START_S)  # raises if a client failed to start
+        window.open()
+        parts = [out.get(timeout=seconds + 300) for _ in clients]
+        window.close()
+    finally:
+        for client in clients:
+            client.join(30)
+            if client.is_alive():
+                client.terminate()
+    failed = [part for part in parts if isinstance(part, str)]
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    return [sample for part, _ in parts for sample in part], sum(cpu for _, cpu in parts)
 
 
 def handles_load(
     address: str, app: str, requests: list, concurrency: int, seconds: float, processes: int, window: Window
 ) -> tuple[list, float]:
-    """Closed loop through the handle from several driver processes (each its own Ray driver): one
-    Python process reading every result is a limit of the caller, not of the service. The samples
-    and the CPU seconds the drivers used while loading; `window` spans the load, not the drivers'
-    start and shutdown."""
+    """Closed loop through the handle from several driver processes: one Python process reading
+    every result is a limit of the caller, not of the service."""
     processes = min(processes, concurrency)
-    shares = [concurrency // processes + (p < concurrency % processes) for p in range(processes)]
-    context = multiprocessing.get_context("spawn")
-    barrier, out = context.Barrier(processes + 1), context.Queue()
-    drivers = [
-        context.Process(target=_handle_process, args=(address, app, requests, share, seconds, p * 7919, barrier, out))
-        for p, share in enumerate(shares)
+    jobs = [
+        (address, app, requests, share, seconds, p * 7919) for p, share in enumerate(shares(concurrency, processes))
     ]
-    try:
-        for driver in drivers:
-            driver.start()
-        barrier.wait(DRIVER_START_S)  # raises if a driver failed to connect
-        window.open()
-        parts = [out.get(timeout=seconds + 300) for _ in drivers]
-        window.close()
-    finally:
-        for driver in drivers:
-            driver.join(30)
-            if driver.is_alive():
-                driver.terminate()
-    failed = [part for part in parts if isinstance(part, str)]
-    if failed:
-        raise RuntimeError("; ".join(failed))
-    return [sample for part, _ in parts for sample in part], sum(cpu for _, cpu in parts)
+    return processes_load(_handle_share, jobs, seconds, window)
 
 
 def own_cpu_seconds() -> float:
@@ -385,12 +397,11 @@ def measure(
             window, clients_cpu = Window(), 0.0  # callers in other processes report their own CPU
             if how[0] == "handles":
                 samples, clients_cpu = handles_load(*how[1:3], requests, concurrency, seconds, how[3], window)
+            elif how[0] == "http":
+                samples, clients_cpu = http_load(how[1], bodies, how[2], concurrency, seconds, window)
             else:
                 window.open()
-                if how[0] == "http":
-                    samples, clients_cpu = http_load(how[1], bodies, how[2], concurrency, seconds)
-                else:
-                    samples = asyncio.run(handle_load(how[1], requests, concurrency, seconds))
+                samples = asyncio.run(handle_load(how[1], requests, concurrency, seconds))
                 window.close()
             row = rows.setdefault(interface, {})[str(concurrency)] = summarize(samples, args.warmup)
             row["cores_used"] = {k: round(v / window.elapsed, 2) for k, v in window.serve_used.items()}
