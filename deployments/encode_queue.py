@@ -236,12 +236,11 @@ class EncodeQueue:
         object lost with its replica drops that replica's cache entries and fails with 503."""
         try:
             return list(await asyncio.gather(*(e.ref for e in encoded)))
-        except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError) as error:
+        except ray.exceptions.ObjectLostError as error:  # OwnerDiedError among them
             for item in encoded:
                 self.cache.forget_replica(item.replica)
             logger.warning("embeddings lost with their encoder replica: %r", error)
-            lost = overloaded("an encoder replica failed after encoding this request; retry", 1)
-            raise ResultsLost(lost.status, lost.message, error_type=lost.error_type, headers=lost.headers) from None
+            raise overloaded("an encoder replica failed after encoding this request; retry", 1, ResultsLost) from None
 
     def stats(self) -> dict:
         return {

@@ -33,5 +33,5 @@ def item_error(index: int, status: int, message: str) -> RequestError:
     return RequestError(status, f"items[{index}]: {message}", param=f"items[{index}]")
 
 
-def overloaded(message: str, retry_after_s: int) -> RequestError:
-    return RequestError(503, message, error_type="overloaded_error", headers={"Retry-After": str(retry_after_s)})
+def overloaded(message: str, retry_after_s: int, kind: type[RequestError] = RequestError) -> RequestError:
+    return kind(503, message, error_type="overloaded_error", headers={"Retry-After": str(retry_after_s)})

@@ -69,11 +69,11 @@ def item_outputs(
     levels one contiguous block: a reader of one item then takes it as it lies, where a view of
     the pack's `[levels, rows, hidden]` deepstack would have to be gathered first."""
     items = split_outputs(out, specs)
-    if not items or (same_device(out.tokens.device, device) and not copy):
+    if not items or (out.tokens.device == device and not copy):
         return items
     pieces = [piece for item in items for piece in (item.tokens, *(() if item.deepstack is None else item.deepstack))]
     flat = torch.cat(pieces)  # the gather is the copy where `out` lies; off a GPU, one copy more
-    if not same_device(flat.device, device):
+    if flat.device != device:
         flat = copied(flat, device)
     laid, offset = [], 0
     for item in items:
@@ -86,16 +86,6 @@ def item_outputs(
             offset += levels * rows
         laid.append(ItemOutput(tokens, deepstack))
     return laid
-
-
-def same_device(a: torch.device, b: torch.device) -> bool:
-    """Whether `a` and `b` name one device (`cuda` without an index is the current one)."""
-    if a.type != b.type:
-        return False
-    if a.index is None or b.index is None:
-        current = torch.cuda.current_device() if a.type == "cuda" else 0
-        return (current if a.index is None else a.index) == (current if b.index is None else b.index)
-    return a.index == b.index
 
 
 def moved_items(out: EncoderOutput, specs: Sequence[ItemSpec], device: torch.device) -> list[ItemOutput]:

@@ -141,6 +141,8 @@ class EncoderRunner:
         `output_device` (default: the encoder's), copied out of the static buffers item after item.
         `recurring` False: neither run nor count toward the pack's own graph."""
         output_device = torch.device(output_device) if output_device is not None else self.device
+        if output_device.type == "cuda" and output_device.index is None:  # as tensors name it: "cuda:0"
+            output_device = torch.device("cuda", torch.cuda.current_device())
         with self.device_lock:
             order = canonical_order(specs)
             if order == sorted(order):

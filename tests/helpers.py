@@ -88,3 +88,13 @@ def model_detail(client, base_url: str, timeout: float = 30) -> dict:
     """The encoder's detail (`/v1/models/{id}`): replicas, router stats, one replica's description."""
     model_id = client.get(base_url + "/v1/models", timeout=timeout).json()["data"][0]["id"]
     return client.get(f"{base_url}/v1/models/{model_id}", timeout=timeout).json()["encoder"]
+
+
+def assert_each_item_is_one_block(outputs) -> None:
+    """Copied out of a pack, each item is one contiguous block (its tokens, then its deepstack
+    levels): a reader takes it as it lies, with nothing to gather."""
+    for out in outputs:
+        assert out.tokens.is_contiguous()
+        if out.deepstack is not None:
+            assert out.deepstack.is_contiguous()
+            assert out.deepstack.data_ptr() == out.tokens.data_ptr() + out.tokens.nbytes

@@ -19,6 +19,7 @@ from models import from_preset
 from models.protocol import ItemSpec
 from tests.helpers import (
     WithForward,
+    assert_each_item_is_one_block,
     random_image,
     random_video,
     reference_item,
@@ -57,16 +58,6 @@ def assert_matches_reference(reference, pixel_values, specs, outputs, tolerance=
         if expected_deepstack is not None:
             assert relative_error(out.deepstack, expected_deepstack) <= tolerance
         row += spec.input_patches
-
-
-def assert_each_item_is_one_block(outputs):
-    """Copied out of a graph's buffers, each item is one contiguous block (its tokens, then its
-    deepstack levels): a reader takes it as it lies, with nothing to gather."""
-    for out in outputs:
-        assert out.tokens.is_contiguous()
-        if out.deepstack is not None:
-            assert out.deepstack.is_contiguous()
-            assert out.deepstack.data_ptr() == out.tokens.data_ptr() + out.tokens.nbytes
 
 
 @pytest.mark.parametrize("fixture", ["qwen3", "qwen25"])
