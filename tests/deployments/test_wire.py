@@ -68,7 +68,10 @@ def test_a_caller_owns_its_result_after_one_copy():
     back, _, _ = pickled(ItemOutput(torch.randn(50, 64).to(torch.bfloat16), pack_deepstack[:, 100:150]))
     mine = owned(back)
     assert mine.deepstack is back.deepstack and mine.tokens.data_ptr() != back.tokens.data_ptr()
+    assert mine.tokens.dtype == torch.bfloat16 and torch.equal(mine.tokens, back.tokens)
     mine.tokens.zero_()
     assert back.tokens.abs().sum() > 0  # the shared copy is untouched
     whole, _, _ = pickled(ItemOutput(torch.randn(50, 64), torch.randn(3, 50, 64)))  # one block: read in place
-    assert owned(whole).deepstack.data_ptr() != whole.deepstack.data_ptr()
+    copied = owned(whole)
+    assert copied.deepstack.data_ptr() != whole.deepstack.data_ptr()
+    assert torch.equal(copied.deepstack, whole.deepstack) and torch.equal(copied.tokens, whole.tokens)
