@@ -389,12 +389,14 @@ def measure(
     """Fill `rows` (part of `record`, saved after each point). `interfaces`: name -> ("http", url,
     format), ("handle", call) or ("handles", address, app, processes). Each point records the cores
     the Serve processes and the benchmark's own callers used during it (is the router or the
-    caller the limit?) and, with `snapshot`, the service's own counters after it."""
+    caller the limit?) and, with `snapshot`, the service's own counters after it and what they
+    grew by during it."""
     for interface, how in interfaces.items():
         bodies = [http_body(r, how[2], name == "ours") for r in requests] if how[0] == "http" else None
         for concurrency in concurrencies:
             seconds = args.seconds + args.warmup
             window, clients_cpu = Window(), 0.0  # callers in other processes report their own CPU
+            before = snapshot() if snapshot is not None else None
             if how[0] == "handles":
                 samples, clients_cpu = handles_load(*how[1:3], requests, concurrency, seconds, how[3], window)
             elif how[0] == "http":
@@ -407,12 +409,19 @@ def measure(
             row["cores_used"] = {k: round(v / window.elapsed, 2) for k, v in window.serve_used.items()}
             callers = window.own_used + clients_cpu
             row["cores_used"]["benchmark_callers"] = round(callers / window.elapsed, 2)
+            packing = ""
             if snapshot is not None:
-                row["service_after"] = snapshot()
+                after = row["service_after"] = snapshot()
+                for _ in range(8):  # the proxy picks the router that answers: pair the same one
+                    if after.get("router_pid") == before.get("router_pid"):
+                        break
+                    after = snapshot()
+                row["service_window"] = counted_between(before, after)
+                packing = f"  window {row['service_window']}"
             print(
                 f"{name:8s} {interface:12s} c={concurrency:3d} {row['tokens_per_s']:10.0f} tok/s  "
                 f"p50 {row['p50_ms']:8.1f} ms  p99 {row['p99_ms']:8.1f} ms  errors {row['errors']}  "
-                f"cores {row['cores_used']}  stages {row['server_timing_p50_ms'] or '-'}",
+                f"cores {row['cores_used']}  stages {row['server_timing_p50_ms'] or '-'}{packing}",
                 flush=True,
             )
             record.save()
@@ -547,7 +556,8 @@ def counters(url: str) -> dict:
     except Exception as error:  # noqa: BLE001 - a benchmark keeps going without them
         return {"error": repr(error)}
     router, replica = detail["router"], detail["replica"]
-    keep = ("pid", "forwards", "packs_per_forward", "requests_per_forward", "step_seconds", "queued_tokens", "stats")
+    keep = ("pid", "forwards", "merged_packs", "merged_requests", "packs_per_forward", "requests_per_forward")
+    keep += ("step_seconds", "queued_tokens", "stats")
     keep += ("status", "stale_s")
     # Which router and replica answered (the proxy picks a router; the router a replica): pair
     # snapshots by pid before taking differences.
@@ -556,6 +566,29 @@ def counters(url: str) -> dict:
         "router_packs": router.get("packs"),
         "replica": {k: replica.get(k) for k in keep},
     }
+
+
+def counted_between(before: dict, after: dict) -> dict:
+    """What the counters grew by over one point (its warm-up included), where the same router
+    and replica answered both snapshots: requests per router pack, and per forward (packs from
+    several routers merged into one run of the encoder), with the forward thread's seconds."""
+    window = {}
+    router, router_after = before.get("router_packs") or {}, after.get("router_packs") or {}
+    packs = router_after.get("packs", 0) - router.get("packs", 0)
+    if before.get("router_pid") == after.get("router_pid") and "requests" in router and packs > 0:
+        window["router_packs"] = packs
+        window["requests_per_pack"] = round((router_after["requests"] - router["requests"]) / packs, 2)
+    replica, replica_after = before.get("replica") or {}, after.get("replica") or {}
+    forwards = (replica_after.get("forwards") or 0) - (replica.get("forwards") or 0)
+    if replica.get("pid") == replica_after.get("pid") and "merged_requests" in replica and forwards > 0:
+        window["forwards"] = forwards
+        window["requests_per_forward"] = round(
+            (replica_after["merged_requests"] - replica["merged_requests"]) / forwards, 2
+        )
+        window["packs_per_forward"] = round((replica_after["merged_packs"] - replica["merged_packs"]) / forwards, 2)
+        steps = replica_after.get("step_seconds") or {}
+        window["step_seconds"] = {k: round(v - replica["step_seconds"].get(k, 0.0), 3) for k, v in steps.items()}
+    return window
 
 
 def encoder_replica_pids(app: str) -> list[int]:
@@ -831,6 +864,14 @@ def table(runs: dict) -> str:
             + " |" * (len(levels) - 1)
         )
     ours = runs.get("ours", {})
+    packing = [
+        f"{interface} c={c}: {point['service_window']['requests_per_forward']}"
+        for interface, points in ours.get("mixed", {}).items()
+        for c, point in points.items()
+        if "requests_per_forward" in point.get("service_window", {})
+    ]
+    if packing:
+        lines.append("\nRequests per forward (an encoder run; over each point): " + ", ".join(packing))
     for interface, points in ours.get("single_448", {}).items():
         lines.append(
             f"\nOne 448x448 image, concurrency 1, {interface}: p50 {points['1']['p50_ms']:.1f} ms, "

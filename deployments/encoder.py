@@ -388,6 +388,8 @@ class EncoderReplica:
             "queued_tokens": self._queued_tokens,
             "inflight_tokens": self._inflight_tokens,
             "forwards": self.forwards,
+            "merged_packs": self.merged_packs,
+            "merged_requests": self.merged_requests,
             "packs_per_forward": round(self.merged_packs / self.forwards, 3) if self.forwards else 0.0,
             # packs from different routers hold different requests: what packing across callers achieves
             # (an upper bound where one request's items went in two packs of one forward)

@@ -77,6 +77,7 @@ class PackStats:
         return {
             "packs": self.packs,
             "items": self.items,
+            "requests": self.requests,
             "mean_items_per_pack": round(self.items / self.packs, 3) if self.packs else 0.0,
             "mean_requests_per_pack": round(self.requests / self.packs, 3) if self.packs else 0.0,
             "max_requests_in_a_pack": self.max_requests_in_a_pack,
