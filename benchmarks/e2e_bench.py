@@ -58,6 +58,7 @@ MARKERS = {
     "ray_started_s": "Started a local Ray instance",
     "serve_started_s": "Started Serve",
     "encoder_ready_s": "encoder replica ready",
+    "graphs_live_s": "warm-up: graphs done",  # every budget's graph captured, checked and serving
     "full_speed_logged_s": "into the warm-up:",
     "service_ready_s": "service ready",
     "router_ready_s": "router ready",
