@@ -9,25 +9,58 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Iterator
 
 import torch
-from safetensors.torch import save
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+SAFETENSORS_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}
+CHUNK_BYTES = 4 << 20
+"""Bytes per chunk of a streamed body: small enough that the allocator reuses its freed chunks
+(a buffer of a whole response, tens to hundreds of MB, is mapped fresh for every response and
+faults in page by page), large enough that the chunks cost nothing per call."""
 
 
-def encode_response_safetensors(model_id: str, results: list, dtype: str | None) -> bytes:
-    """`{i}.embedding` and `{i}.deepstack.{k}` tensors; model, usage and each item's grid and
-    modality in the header's `__metadata__` (string values, JSON where structured)."""
+def safetensors_body(model_id: str, results: list, dtype: str | None) -> tuple[int, Iterator[bytes]]:
+    """The response as a safetensors file, as (its length, its chunks): `{i}.embedding` and
+    `{i}.deepstack.{k}` tensors; model, usage and each item's grid and modality in the header's
+    `__metadata__` (string values, JSON where structured). The tensors go as they lie in the
+    object store, cut into chunks as the client takes them (the safetensors library's `save`
+    builds the whole file in one buffer first). Decode it with `safetensors.torch.load`."""
     tensors, metadata = {}, {"model": model_id}
     for r in results:
-        tensors[f"{r.index}.embedding"] = _as(r.embedding, dtype)
+        tensors[f"{r.index}.embedding"] = r.embedding
         for layer, features in enumerate([] if r.deepstack is None else r.deepstack):
-            tensors[f"{r.index}.deepstack.{layer}"] = _as(features, dtype)
+            tensors[f"{r.index}.deepstack.{layer}"] = features
         metadata[f"{r.index}.grid_thw"] = json.dumps(list(r.grid_thw))
         metadata[f"{r.index}.modality"] = r.modality
     metadata["usage"] = json.dumps({"vision_tokens": sum(int(r.embedding.shape[0]) for r in results)})
-    return save(tensors, metadata)
+    target = {name: DTYPES[dtype] if dtype else t.dtype for name, t in tensors.items()}
+    header = safetensors_header({name: (target[name], list(t.shape)) for name, t in tensors.items()}, metadata)
+    length = len(header) + sum(t.numel() * target[n].itemsize for n, t in tensors.items())
+
+    def chunks() -> Iterator[bytes]:
+        yield header
+        for tensor in tensors.values():
+            data = memoryview(_as(tensor, dtype).reshape(-1).view(torch.uint8).numpy())
+            for start in range(0, len(data), CHUNK_BYTES):
+                yield data[start : start + CHUNK_BYTES].tobytes()
+
+    return length, chunks()
+
+
+def safetensors_header(tensors: dict[str, tuple[torch.dtype, list[int]]], metadata: dict[str, str]) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file whose tensors (name: dtype, shape)
+    follow in this order, little-endian and contiguous (the format's specification)."""
+    entries, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        size = dtype.itemsize * int(torch.Size(shape).numel())
+        entries[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    entries["__metadata__"] = metadata
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the tensors start 8-byte aligned
+    return len(text).to_bytes(8, "little") + text
 
 
 def _as(tensor: torch.Tensor, dtype: str | None) -> torch.Tensor:

@@ -15,7 +15,7 @@ import time
 
 import psutil
 import ray
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -31,7 +31,7 @@ from .http import create_api, http_ingress
 from .intake import Intake, raw_from_http, raw_from_python
 from .metrics import RouterMetrics, refresh_gauges
 from .ref_hold import ReferenceHold
-from .responses import encode_response_json, encode_response_safetensors
+from .responses import encode_response_json, safetensors_body
 from .results import EncodeResult, ItemRef
 from .schemas import EncodeRequest
 
@@ -64,7 +64,8 @@ def attach_hint(app_name: str) -> str:
 def server_timing(seconds: dict[str, float]) -> str:
     """A `Server-Timing` header (W3C): where the request's time went in the service, in ms.
     `encode` is from the decoded items' queueing to their results (the router's queue, the trip
-    to the replica and back); `replica_queue` and `forward` are those of the slowest item's pack."""
+    to the replica and back); `replica_queue` and `forward` are those of the slowest item's pack;
+    `serialize` is a JSON body's, or a streamed safetensors body's header (its tensors follow)."""
     return ", ".join(f"{name};dur={value * 1e3:.2f}" for name, value in seconds.items())
 
 
@@ -157,14 +158,15 @@ class EncoderRouter:
         ]
         model = self.config.model.model_id
         serialize_start = time.perf_counter()
-        if body.encoding_format == "safetensors":
-            content = await asyncio.to_thread(encode_response_safetensors, model, results, body.dtype)
-            media_type = "application/octet-stream"
-        else:
-            content = await asyncio.to_thread(encode_response_json, model, results, body.encoding_format)
-            media_type = "application/json"
+        if body.encoding_format == "safetensors":  # streamed: `serialize` is its header only
+            length, chunks = safetensors_body(model, results, body.dtype)
+            timing["serialize"] = time.perf_counter() - serialize_start
+            headers = {"Server-Timing": server_timing(timing), "Content-Length": str(length)}
+            return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)
+        content = await asyncio.to_thread(encode_response_json, model, results, body.encoding_format)
         timing["serialize"] = time.perf_counter() - serialize_start
-        return Response(content=content, media_type=media_type, headers={"Server-Timing": server_timing(timing)})
+        headers = {"Server-Timing": server_timing(timing)}
+        return Response(content=content, media_type="application/json", headers=headers)
 
     @api.get("/health")
     async def health(self) -> JSONResponse:

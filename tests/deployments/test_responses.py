@@ -1,0 +1,48 @@
+"""The streamed safetensors body, read back by the safetensors library itself."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load
+
+from deployments.responses import CHUNK_BYTES, safetensors_body
+from deployments.results import EncodeResult
+from models.protocol import ItemOutput
+
+
+def result(index: int, tokens: int, levels: int | None) -> EncodeResult:
+    generator = torch.Generator().manual_seed(index)
+    block = torch.randn(1 + (levels or 0), tokens, 4096, generator=generator).to(torch.bfloat16)
+    output = ItemOutput(block[0], None if levels is None else block[1:])
+    return EncodeResult(index, "image", (1, 2 * tokens // 16, 32), tokens, None, _output=output)
+
+
+def test_the_streamed_body_is_a_safetensors_file_of_every_output(tmp_path):
+    results = [result(0, 700, 3), result(1, 64, None)]  # 5.6 MB a tensor: several chunks each
+    length, chunks = safetensors_body("qwen3-vl-8b", results, None)
+    chunks = list(chunks)
+    body = b"".join(chunks)
+    assert len(body) == length and max(len(c) for c in chunks[1:]) <= CHUNK_BYTES and len(chunks) > 6
+    tensors = load(body)
+    assert sorted(tensors) == ["0.deepstack.0", "0.deepstack.1", "0.deepstack.2", "0.embedding", "1.embedding"]
+    assert torch.equal(tensors["0.embedding"], results[0].embedding) and tensors["0.embedding"].dtype == torch.bfloat16
+    for level in range(3):
+        assert torch.equal(tensors[f"0.deepstack.{level}"], results[0].deepstack[level])
+    assert torch.equal(tensors["1.embedding"], results[1].embedding)
+    (tmp_path / "body.safetensors").write_bytes(body)
+    with safe_open(str(tmp_path / "body.safetensors"), "pt") as opened:
+        metadata = opened.metadata()
+    assert metadata["model"] == "qwen3-vl-8b" and json.loads(metadata["usage"]) == {"vision_tokens": 764}
+    assert json.loads(metadata["0.grid_thw"]) == [1, 87, 32] and metadata["1.modality"] == "image"
+
+
+def test_a_requested_dtype_converts_each_tensor_as_it_streams():
+    results = [result(0, 50, 3)]
+    length, chunks = safetensors_body("m", results, "float32")
+    body = b"".join(chunks)
+    tensors = load(body)
+    assert len(body) == length and tensors["0.embedding"].dtype == torch.float32
+    assert torch.equal(tensors["0.deepstack.2"], results[0].deepstack[2].float())
