@@ -41,10 +41,10 @@ def safetensors_body(model_id: str, results: list, dtype: str | None) -> tuple[i
 
     def chunks() -> Iterator[bytes]:
         yield header
-        for tensor in tensors.values():
-            data = memoryview(_as(tensor, dtype).reshape(-1).view(torch.uint8).numpy())
-            for start in range(0, len(data), CHUNK_BYTES):
-                yield data[start : start + CHUNK_BYTES].tobytes()
+        for name, tensor in tensors.items():
+            flat, step = tensor.reshape(-1), CHUNK_BYTES // target[name].itemsize
+            for start in range(0, flat.numel(), step):  # converted a chunk at a time, where asked
+                yield flat[start : start + step].to(target[name]).view(torch.uint8).numpy().tobytes()
 
     return length, chunks()
 
@@ -61,12 +61,6 @@ def safetensors_header(tensors: dict[str, tuple[torch.dtype, list[int]]], metada
     text = json.dumps(entries, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the tensors start 8-byte aligned
     return len(text).to_bytes(8, "little") + text
-
-
-def _as(tensor: torch.Tensor, dtype: str | None) -> torch.Tensor:
-    if dtype is not None:
-        tensor = tensor.to(DTYPES[dtype])
-    return tensor.contiguous()
 
 
 def float32_base64(tensor: torch.Tensor) -> bytes:
