@@ -58,7 +58,7 @@ MARKERS = {
     "ray_started_s": "Started a local Ray instance",
     "serve_started_s": "Started Serve",
     "encoder_ready_s": "encoder replica ready",
-    "graphs_live_s": "warm-up: graphs done",  # every budget's graph captured, checked and serving
+    "graphs_live_s": "warm-up: graphs done",  # the first replica's graphs all tried (live unless refused)
     "full_speed_logged_s": "into the warm-up:",
     "service_ready_s": "service ready",
     "router_ready_s": "router ready",
@@ -412,12 +412,12 @@ def measure(
             row["cores_used"]["benchmark_callers"] = round(callers / window.elapsed, 2)
             packing = ""
             if snapshot is not None:
-                after = row["service_after"] = snapshot()
-                for _ in range(8):  # the proxy picks the router that answers: pair the same one
+                after = snapshot()
+                for _ in range(8 if "router_pid" in before else 0):  # the proxy picks the router that answers
                     if after.get("router_pid") == before.get("router_pid"):
                         break
                     after = snapshot()
-                row["service_window"] = counted_between(before, after)
+                row["service_after"], row["service_window"] = after, counted_between(before, after)
                 packing = f"  window {row['service_window']}"
             print(
                 f"{name:8s} {interface:12s} c={concurrency:3d} {row['tokens_per_s']:10.0f} tok/s  "
@@ -569,6 +569,9 @@ def counters(url: str) -> dict:
     }
 
 
+MERGED = ("merged_requests", "merged_packs")
+
+
 def counted_between(before: dict, after: dict) -> dict:
     """What the counters grew by over one point (its warm-up included), where the same router
     and replica answered both snapshots: requests per router pack, and per forward (packs from
@@ -581,14 +584,16 @@ def counted_between(before: dict, after: dict) -> dict:
         window["requests_per_pack"] = round((router_after["requests"] - router["requests"]) / packs, 2)
     replica, replica_after = before.get("replica") or {}, after.get("replica") or {}
     forwards = (replica_after.get("forwards") or 0) - (replica.get("forwards") or 0)
-    if replica.get("pid") == replica_after.get("pid") and "merged_requests" in replica and forwards > 0:
+    counted = all(side.get(k) is not None for side in (replica, replica_after) for k in MERGED)
+    fresh = replica.get("stale_s") is None and replica_after.get("stale_s") is None  # not a cached description
+    if replica.get("pid") == replica_after.get("pid") and counted and fresh and forwards > 0:
         window["forwards"] = forwards
         window["requests_per_forward"] = round(
             (replica_after["merged_requests"] - replica["merged_requests"]) / forwards, 2
         )
         window["packs_per_forward"] = round((replica_after["merged_packs"] - replica["merged_packs"]) / forwards, 2)
-        steps = replica_after.get("step_seconds") or {}
-        window["step_seconds"] = {k: round(v - replica["step_seconds"].get(k, 0.0), 3) for k, v in steps.items()}
+        steps, earlier = replica_after.get("step_seconds") or {}, replica.get("step_seconds") or {}
+        window["step_seconds"] = {k: round(v - earlier.get(k, 0.0), 3) for k, v in steps.items()}
     return window
 
 

@@ -24,9 +24,10 @@ faults in page by page), large enough that the chunks cost nothing per call."""
 def safetensors_body(model_id: str, results: list, dtype: str | None) -> tuple[int, Iterator[bytes]]:
     """The response as a safetensors file, as (its length, its chunks): `{i}.embedding` and
     `{i}.deepstack.{k}` tensors; model, usage and each item's grid and modality in the header's
-    `__metadata__` (string values, JSON where structured). The tensors go as they lie in the
-    object store, cut into chunks as the client takes them (the safetensors library's `save`
-    builds the whole file in one buffer first). Decode it with `safetensors.torch.load`."""
+    `__metadata__` (string values, JSON where structured). The tensors are read where they lie
+    in the object store and copied out a chunk at a time (converted per chunk where a dtype is
+    asked); the safetensors library's `save` would build the whole file in one buffer first.
+    Decode it with `safetensors.torch.load`."""
     tensors, metadata = {}, {"model": model_id}
     for r in results:
         tensors[f"{r.index}.embedding"] = r.embedding

@@ -9,6 +9,7 @@ reads them itself: no copy passes through the router or the caller.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,9 +38,11 @@ def _private(tensor: torch.Tensor) -> torch.Tensor:
     # One memcpy on this thread. `tensor.clone()` splits the copy over torch's intra-op pool, which
     # in a caller's process has a thread per core: waking it for every result, then its spinning,
     # cost a caller on a GPU host several cores and milliseconds per call.
-    wire = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
-    copy = torch.from_numpy(wire.numpy().copy())
-    return copy.view(torch.bfloat16) if tensor.dtype == torch.bfloat16 else copy
+    if not tensor.is_contiguous():  # not what `ray.get` returns
+        return tensor.clone()
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype)
+    ctypes.memmove(copy.data_ptr(), tensor.data_ptr(), tensor.nbytes)
+    return copy
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load
@@ -26,6 +27,7 @@ def test_the_streamed_body_is_a_safetensors_file_of_every_output(tmp_path):
     chunks = list(chunks)
     body = b"".join(chunks)
     assert len(body) == length and max(len(c) for c in chunks[1:]) <= CHUNK_BYTES and len(chunks) > 6
+    assert (8 + int.from_bytes(body[:8], "little")) % 8 == 0  # the tensors start 8-byte aligned
     tensors = load(body)
     assert sorted(tensors) == ["0.deepstack.0", "0.deepstack.1", "0.deepstack.2", "0.embedding", "1.embedding"]
     assert torch.equal(tensors["0.embedding"], results[0].embedding) and tensors["0.embedding"].dtype == torch.bfloat16
@@ -39,10 +41,11 @@ def test_the_streamed_body_is_a_safetensors_file_of_every_output(tmp_path):
     assert json.loads(metadata["0.grid_thw"]) == [1, 87, 32] and metadata["1.modality"] == "image"
 
 
-def test_a_requested_dtype_converts_each_tensor_as_it_streams():
-    results = [result(0, 50, 3)]
-    length, chunks = safetensors_body("m", results, "float32")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_requested_dtype_converts_each_tensor_as_it_streams(dtype):
+    results = [result(0, 300, 3)]  # float32: 4.9 MB a tensor, two chunks
+    length, chunks = safetensors_body("m", results, str(dtype).removeprefix("torch."))
     body = b"".join(chunks)
     tensors = load(body)
-    assert len(body) == length and tensors["0.embedding"].dtype == torch.float32
-    assert torch.equal(tensors["0.deepstack.2"], results[0].deepstack[2].float())
+    assert len(body) == length and tensors["0.embedding"].dtype == dtype
+    assert torch.equal(tensors["0.deepstack.2"], results[0].deepstack[2].to(dtype))

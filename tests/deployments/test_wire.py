@@ -69,6 +69,7 @@ def test_a_caller_owns_its_result_after_one_copy():
     mine = owned(back)
     assert mine.deepstack is back.deepstack and mine.tokens.data_ptr() != back.tokens.data_ptr()
     assert mine.tokens.dtype == torch.bfloat16 and torch.equal(mine.tokens, back.tokens)
+    assert mine.tokens.untyped_storage().resizable() and owned(mine).tokens is mine.tokens  # copied once
     mine.tokens.zero_()
     assert back.tokens.abs().sum() > 0  # the shared copy is untouched
     whole, _, _ = pickled(ItemOutput(torch.randn(50, 64), torch.randn(3, 50, 64)))  # one block: read in place
