@@ -36,8 +36,7 @@ def _private(tensor: torch.Tensor) -> torch.Tensor:
     if storage.resizable() and not tensor.is_shared():
         return tensor
     # One memcpy on this thread. `tensor.clone()` splits the copy over torch's intra-op pool, which
-    # in a caller's process has a thread per core: waking it for every result, then its spinning,
-    # cost a caller on a GPU host several cores and milliseconds per call.
+    # in a caller's process has a thread per core, woken (and left spinning) for every result.
     if not tensor.is_contiguous():  # not what `ray.get` returns
         return tensor.clone()
     copy = torch.empty(tensor.shape, dtype=tensor.dtype)
