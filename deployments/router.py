@@ -31,7 +31,7 @@ from .http import create_api, http_ingress
 from .intake import Intake, raw_from_http, raw_from_python
 from .metrics import RouterMetrics, refresh_gauges
 from .ref_hold import ReferenceHold
-from .responses import encode_response_json, safetensors_body
+from .responses import encode_response_json, json_body, safetensors_body
 from .results import EncodeResult, ItemRef
 from .schemas import EncodeRequest
 
@@ -65,7 +65,7 @@ def server_timing(seconds: dict[str, float]) -> str:
     """A `Server-Timing` header (W3C): where the request's time went in the service, in ms.
     `encode` is from the decoded items' queueing to their results (the router's queue, the trip
     to the replica and back); `replica_queue` and `forward` are those of the slowest item's pack;
-    `serialize` is a JSON body's, or a streamed safetensors body's header (its tensors follow)."""
+    `serialize` is a `float` JSON body's, or a streamed body's first part only (the rest follows)."""
     return ", ".join(f"{name};dur={value * 1e3:.2f}" for name, value in seconds.items())
 
 
@@ -158,11 +158,13 @@ class EncoderRouter:
         ]
         model = self.config.model.model_id
         serialize_start = time.perf_counter()
-        if body.encoding_format == "safetensors":  # streamed: `serialize` is its header only
-            length, chunks = safetensors_body(model, results, body.dtype)
+        if body.encoding_format != "float":  # streamed: `serialize` covers what comes before the tensors
+            binary = body.encoding_format == "safetensors"
+            length, chunks = safetensors_body(model, results, body.dtype) if binary else json_body(model, results)
             timing["serialize"] = time.perf_counter() - serialize_start
             headers = {"Server-Timing": server_timing(timing), "Content-Length": str(length)}
-            return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)
+            media_type = "application/octet-stream" if binary else "application/json"
+            return StreamingResponse(chunks, media_type=media_type, headers=headers)
         content = await asyncio.to_thread(encode_response_json, model, results, body.encoding_format)
         timing["serialize"] = time.perf_counter() - serialize_start
         headers = {"Server-Timing": server_timing(timing)}
