@@ -140,6 +140,10 @@ class EncoderRouter:
 
     @api.post("/v1/encode")
     async def encode_http(self, body: EncodeRequest) -> Response:
+        if body.model is not None and body.model != self.config.model.model_id:
+            raise RequestError(
+                404, f"model {body.model!r} is not served here; see /v1/models", "model", "invalid_request_error"
+            )
         self.intake.check_item_count(len(body.items))
         raws = [raw_from_http(i, item) for i, item in enumerate(body.items)]
         timing: dict[str, float] = {}

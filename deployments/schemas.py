@@ -27,6 +27,7 @@ Item = Annotated[Union[ImageItem, VideoItem], Field(discriminator="type")]
 
 class EncodeRequest(_Body):
     items: list[Item] = Field(min_length=1, description="Images and videos to encode, answered in this order.")
+    model: str | None = Field(None, description="The served model's id (`/v1/models`); another gets 404.")
     encoding_format: Literal["safetensors", "base64", "float"] = Field(
         "base64",
         description="safetensors: application/octet-stream, one tensor per item output in `dtype`; "

@@ -101,9 +101,8 @@ def test_images_of_many_formats_and_modes_match_transformers(app, url, reference
     encoder, tower = reference
     cases = images_in_many_formats()
     with serve_harness.http() as client:
-        response = client.post(
-            url + "/v1/encode", json={"items": [{"type": "image", "image": b64(d)} for _, d in cases], "cache": False}
-        )
+        items = [{"type": "image", "image": b64(d)} for _, d in cases]  # the served model named, as OpenAI clients do
+        response = client.post(url + "/v1/encode", json={"items": items, "cache": False, "model": app.model_id})
     assert response.status_code == 200, response.text
     stages = dict(part.strip().split(";dur=") for part in response.headers["Server-Timing"].split(","))
     assert set(stages) == {"decode", "encode", "replica_queue", "forward", "fetch", "serialize"}, stages
