@@ -84,6 +84,8 @@ class EncoderRouter:
         self.metrics = RouterMetrics()
         self.rejected: dict[str, int] = {}
         self.embedding_bytes_received = 0
+        self.encoded_again = 0
+        """HTTP requests whose results were lost with their replica after encoding, encoded again."""
         """Embedding bytes this router read from the object store (HTTP responses only)."""
         self.handed_out = ReferenceHold(config.router.handle_hold_s)
         self.family, _ = load_preprocessor(config.model.preset, config.model.family, config.model.path)
@@ -152,6 +154,7 @@ class EncoderRouter:
         try:
             outputs = await self.queue.fetch(encoded)
         except ResultsLost:  # the replica died after encoding: the decoded items are still here
+            self.encoded_again += 1
             encoded = await self.queue.encode(decoded)
             outputs = await self.queue.fetch(encoded)
         timing["fetch"] = time.perf_counter() - fetch_start
@@ -282,6 +285,7 @@ class EncoderRouter:
             **self.queue.stats(),
             "rejected": dict(self.rejected),
             "embedding_bytes_received": self.embedding_bytes_received,
+            "encoded_again": self.encoded_again,
             "handle_refs_held": len(self.handed_out),
             "decode_pool": self.intake.describe(),
             "http_ingress": http_ingress(),
