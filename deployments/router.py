@@ -84,9 +84,9 @@ class EncoderRouter:
         self.metrics = RouterMetrics()
         self.rejected: dict[str, int] = {}
         self.embedding_bytes_received = 0
+        """Embedding bytes this router read from the object store (HTTP responses only)."""
         self.encoded_again = 0
         """HTTP requests whose results were lost with their replica after encoding, encoded again."""
-        """Embedding bytes this router read from the object store (HTTP responses only)."""
         self.handed_out = ReferenceHold(config.router.handle_hold_s)
         self.family, _ = load_preprocessor(config.model.preset, config.model.family, config.model.path)
         self.ladder = ladder.budgets  # the app builder's, as every encoder replica's
