@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load
 
-from deployments.responses import CHUNK_BYTES, encode_response_json, json_body, safetensors_body
+from deployments.responses import CHUNK_BYTES, json_body, safetensors_body
 from deployments.results import EncodeResult
 from models.protocol import ItemOutput
 
@@ -53,19 +53,25 @@ def test_a_requested_dtype_converts_each_tensor_as_it_streams(dtype):
     assert torch.equal(tensors["0.deepstack.2"], results[0].deepstack[2].to(dtype))
 
 
-def test_the_streamed_json_body_is_the_whole_one_chunk_by_chunk():
-    """`base64` streams: the same bytes as the body built whole, a valid JSON document whose
-    payloads decode to the float32 values; a tensor over one chunk is cut where base64 joins."""
+def test_the_streamed_json_body_is_the_documented_document():
+    """`base64` streams: a valid JSON document equal to the one `json` and `base64` make of the same
+    outputs (little-endian float32); a tensor over one chunk is cut where base64 joins."""
     results = [result(0, 400, 3), result(1, 30, None)]  # 1.6M values a tensor: three chunks each
     length, chunks = json_body("qwen3-vl-8b", results)
     chunks = list(chunks)
     body = b"".join(chunks)
     assert len(body) == length and len(chunks) > 20
-    assert body == encode_response_json("qwen3-vl-8b", results, "base64")
-    document = json.loads(body)
-    assert document["usage"] == {"vision_tokens": 430} and [d["index"] for d in document["data"]] == [0, 1]
-    first = document["data"][0]
-    for got, expected in [(first["embedding"], results[0].embedding), (first["deepstack"][2], results[0].deepstack[2])]:
-        values = numpy.frombuffer(base64.b64decode(got), dtype="<f4").reshape(400, 4096)
-        assert torch.equal(torch.from_numpy(values.copy()), expected.float())
-    assert "deepstack" not in document["data"][1] and document["data"][1]["shape"] == [30, 4096]
+
+    def b64(tensor):
+        return base64.b64encode(tensor.float().numpy().astype("<f4").tobytes()).decode()
+
+    expected = {"model": "qwen3-vl-8b", "data": [], "usage": {"vision_tokens": 430}}
+    for r in results:
+        entry = {"index": r.index, "modality": r.modality, "grid_thw": list(r.grid_thw)}
+        entry |= {"shape": list(r.embedding.shape), "embedding": b64(r.embedding)}
+        if r.deepstack is not None:
+            entry["deepstack"] = [b64(layer) for layer in r.deepstack]
+        expected["data"].append(entry)
+    assert json.loads(body) == expected
+    values = numpy.frombuffer(base64.b64decode(json.loads(body)["data"][0]["embedding"]), dtype="<f4")
+    assert torch.equal(torch.from_numpy(values.copy()).reshape(400, 4096), results[0].embedding.float())
