@@ -167,19 +167,14 @@ async def _http_clients(url: str, bodies: list[bytes], fmt: str, concurrency: in
     return samples
 
 
-def _http_share(url: str, bodies: list[bytes], fmt: str, concurrency: int, seconds: float, offset: int):
-    """One client process's share of the HTTP load: (run it, clean up)."""
-    return (lambda: asyncio.run(_http_clients(url, bodies, fmt, concurrency, seconds, offset))), (lambda: None)
+def _http_setup(url: str, bodies: list[bytes], fmt: str):
+    """A client process's HTTP load: (run a share of it, clean up)."""
+    loop = asyncio.new_event_loop()
 
+    def run(concurrency: int, seconds: float, offset: int) -> list:
+        return loop.run_until_complete(_http_clients(url, bodies, fmt, concurrency, seconds, offset))
 
-def http_load(
-    url: str, bodies: list[bytes], fmt: str, concurrency: int, seconds: float, window: Window
-) -> tuple[list, float]:
-    """Closed loop over HTTP from several client processes (one Python process cannot read the
-    responses of a fast service): the samples and the CPU seconds the clients used."""
-    processes = min(8, concurrency)
-    jobs = [(url, bodies, fmt, share, seconds, p * 7919) for p, share in enumerate(shares(concurrency, processes))]
-    return processes_load(_http_share, jobs, seconds, window)
+    return run, loop.close
 
 
 async def handle_load(call, requests: list[list], concurrency: int, seconds: float, offset: int = 0) -> list:
@@ -242,67 +237,86 @@ def shares(concurrency: int, processes: int) -> list[int]:
     return [concurrency // processes + (p < concurrency % processes) for p in range(processes)]
 
 
-def _handle_share(address: str, app: str, requests: list, concurrency: int, seconds: float, offset: int):
-    """One driver process's share of the handle load (its own Ray driver): (run it, clean up)."""
+def _handle_setup(address: str, app: str, requests: list):
+    """A driver process's handle load (its own Ray driver): (run a share of it, clean up)."""
     import ray
     from ray import serve
 
     ray.init(address=address, log_to_driver=False, logging_level="ERROR")
-    call = handle_call(serve.get_app_handle(app))
-    return (lambda: asyncio.run(handle_load(call, requests, concurrency, seconds, offset))), ray.shutdown
+    call, loop = handle_call(serve.get_app_handle(app)), asyncio.new_event_loop()
+
+    def run(concurrency: int, seconds: float, offset: int) -> list:
+        return loop.run_until_complete(handle_load(call, requests, concurrency, seconds, offset))
+
+    return run, ray.shutdown
 
 
-def _client_process(setup: Callable, job: tuple, barrier, out) -> None:
+def _pool_client(setup: Callable, static: tuple, index: int, inbox, out) -> None:
     close = None
     try:
-        run, close = setup(*job)
-        barrier.wait(CLIENT_START_S)  # every client ready before any starts the clock
-        began = own_cpu_seconds()
-        samples = run()
-        out.put((samples, own_cpu_seconds() - began))
+        run, close = setup(*static)
+        out.put(("ready", index))
+        while (job := inbox.get()) is not None:
+            concurrency, seconds, offset, start_at = job
+            time.sleep(max(0.0, start_at - time.time()))  # every client starts the clock together
+            began = own_cpu_seconds()
+            samples = run(concurrency, seconds, offset)
+            out.put((samples, own_cpu_seconds() - began))
     except BaseException as error:  # the parent must hear of it, not wait for it
-        barrier.abort()
-        out.put(f"client process {job[-1]}: {type(error).__name__}: {error}")
+        out.put(f"client process {index}: {type(error).__name__}: {error}")
         raise
     finally:
         if close is not None:
             close()
 
 
-def processes_load(setup: Callable, jobs: list[tuple], seconds: float, window: Window) -> tuple[list, float]:
-    """`setup(*job)` in a spawned process per job, then all loads at once: the samples and the CPU
-    seconds the clients used. `window` spans the loads, not the processes' start and shutdown."""
-    context = multiprocessing.get_context("spawn")
-    barrier, out = context.Barrier(len(jobs) + 1), context.Queue()
-    clients = [context.Process(target=_client_process, args=(setup, job, barrier, out)) for job in jobs]
-    try:
-        for client in clients:
+class ClientPool:
+    """Client processes started once per interface and reused at every concurrency (one Python
+    process cannot read the results of a fast service). Each gets the requests once: starting a
+    Ray driver, or pickling the bodies over, for every point took longer than the point."""
+
+    def __init__(self, setup: Callable, static: tuple, processes: int):
+        context = multiprocessing.get_context("spawn")
+        self.out, self.inboxes = context.Queue(), [context.Queue() for _ in range(processes)]
+        self.clients = [
+            context.Process(target=_pool_client, args=(setup, static, p, inbox, self.out), daemon=True)
+            for p, inbox in enumerate(self.inboxes)
+        ]
+        for client in self.clients:
             client.start()
-        barrier.wait(CLIENT_START_S)  # raises if a client failed to start
+        try:
+            for _ in self.clients:
+                self._check(self.out.get(timeout=CLIENT_START_S))
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _check(part):
+        if isinstance(part, str):
+            raise RuntimeError(part)
+        return part
+
+    def load(self, concurrency: int, seconds: float, window: Window) -> tuple[list, float]:
+        """`concurrency` callers over as many of the processes for `seconds`: the samples and the
+        CPU seconds the clients used. `window` spans the load only."""
+        used = shares(concurrency, min(len(self.inboxes), concurrency))
+        start_at = time.time() + 0.2
+        for p, share in enumerate(used):
+            self.inboxes[p].put((share, seconds, p * 7919, start_at))
+        time.sleep(max(0.0, start_at - time.time()))
         window.open()
-        parts = [out.get(timeout=seconds + 300) for _ in clients]
+        parts = [self._check(self.out.get(timeout=seconds + 300)) for _ in used]
         window.close()
-    finally:
-        for client in clients:
+        return [sample for part, _ in parts for sample in part], sum(cpu for _, cpu in parts)
+
+    def close(self) -> None:
+        for inbox in self.inboxes:
+            inbox.put(None)
+        for client in self.clients:
             client.join(30)
             if client.is_alive():
                 client.terminate()
-    failed = [part for part in parts if isinstance(part, str)]
-    if failed:
-        raise RuntimeError("; ".join(failed))
-    return [sample for part, _ in parts for sample in part], sum(cpu for _, cpu in parts)
-
-
-def handles_load(
-    address: str, app: str, requests: list, concurrency: int, seconds: float, processes: int, window: Window
-) -> tuple[list, float]:
-    """Closed loop through the handle from several driver processes: one Python process reading
-    every result is a limit of the caller, not of the service."""
-    processes = min(processes, concurrency)
-    jobs = [
-        (address, app, requests, share, seconds, p * 7919) for p, share in enumerate(shares(concurrency, processes))
-    ]
-    return processes_load(_handle_share, jobs, seconds, window)
 
 
 def own_cpu_seconds() -> float:
@@ -386,46 +400,62 @@ def measure(
     rows: dict,
     record: Record,
     snapshot: Callable[[], dict] | None = None,
+    pools: dict | None = None,
 ) -> None:
     """Fill `rows` (part of `record`, saved after each point). `interfaces`: name -> ("http", url,
     format), ("handle", call) or ("handles", address, app, processes). Each point records the cores
     the Serve processes and the benchmark's own callers used during it (is the router or the
     caller the limit?) and, with `snapshot`, the service's own counters after it and what they
     grew by during it."""
-    for interface, how in interfaces.items():
-        bodies = [http_body(r, how[2], name == "ours") for r in requests] if how[0] == "http" else None
-        for concurrency in concurrencies:
-            seconds = args.seconds + args.warmup
-            window, clients_cpu = Window(), 0.0  # callers in other processes report their own CPU
-            before = snapshot() if snapshot is not None else None
-            if how[0] == "handles":
-                samples, clients_cpu = handles_load(*how[1:3], requests, concurrency, seconds, how[3], window)
-            elif how[0] == "http":
-                samples, clients_cpu = http_load(how[1], bodies, how[2], concurrency, seconds, window)
-            else:
-                window.open()
-                samples = asyncio.run(handle_load(how[1], requests, concurrency, seconds))
-                window.close()
-            row = rows.setdefault(interface, {})[str(concurrency)] = summarize(samples, args.warmup)
-            row["cores_used"] = {k: round(v / window.elapsed, 2) for k, v in window.serve_used.items()}
-            callers = window.own_used + clients_cpu
-            row["cores_used"]["benchmark_callers"] = round(callers / window.elapsed, 2)
-            packing = ""
-            if snapshot is not None:
+    own = pools is None
+    pools = {} if own else pools
+    try:
+        for interface, how in interfaces.items():
+            _measure_interface(args, name, interface, how, requests, concurrencies, rows, record, snapshot, pools)
+    finally:
+        if own:
+            for pool in pools.values():
+                pool.close()
+
+
+def _measure_interface(args, name, interface, how, requests, concurrencies, rows, record, snapshot, pools) -> None:
+    key = (interface, how[:3], len(requests))  # client processes per interface and workload
+    if how[0] in ("handles", "http") and key not in pools:
+        if how[0] == "handles":
+            pools[key] = ClientPool(_handle_setup, (how[1], how[2], requests), how[3])
+        else:
+            bodies = [http_body(r, how[2], name == "ours") for r in requests]
+            pools[key] = ClientPool(_http_setup, (how[1], bodies, how[2]), min(8, max(concurrencies)))
+    for concurrency in concurrencies:
+        seconds = args.seconds + args.warmup
+        window, clients_cpu = Window(), 0.0  # callers in other processes report their own CPU
+        before = snapshot() if snapshot is not None else None
+        if how[0] in ("handles", "http"):
+            samples, clients_cpu = pools[key].load(concurrency, seconds, window)
+        else:
+            window.open()
+            samples = asyncio.run(handle_load(how[1], requests, concurrency, seconds))
+            window.close()
+        row = rows.setdefault(interface, {})[str(concurrency)] = summarize(samples, args.warmup)
+        row["cores_used"] = {k: round(v / window.elapsed, 2) for k, v in window.serve_used.items()}
+        callers = window.own_used + clients_cpu
+        row["cores_used"]["benchmark_callers"] = round(callers / window.elapsed, 2)
+        packing = ""
+        if snapshot is not None:
+            after = snapshot()
+            for _ in range(8 if "router_pid" in before else 0):  # the proxy picks the router that answers
+                if after.get("router_pid") == before.get("router_pid"):
+                    break
                 after = snapshot()
-                for _ in range(8 if "router_pid" in before else 0):  # the proxy picks the router that answers
-                    if after.get("router_pid") == before.get("router_pid"):
-                        break
-                    after = snapshot()
-                row["service_after"], row["service_window"] = after, counted_between(before, after)
-                packing = f"  window {row['service_window']}"
-            print(
-                f"{name:8s} {interface:12s} c={concurrency:3d} {row['tokens_per_s']:10.0f} tok/s  "
-                f"p50 {row['p50_ms']:8.1f} ms  p99 {row['p99_ms']:8.1f} ms  errors {row['errors']}  "
-                f"cores {row['cores_used']}  stages {row['server_timing_p50_ms'] or '-'}{packing}",
-                flush=True,
-            )
-            record.save()
+            row["service_after"], row["service_window"] = after, counted_between(before, after)
+            packing = f"  window {row['service_window']}"
+        print(
+            f"{name:8s} {interface:12s} c={concurrency:3d} {row['tokens_per_s']:10.0f} tok/s  "
+            f"p50 {row['p50_ms']:8.1f} ms  p99 {row['p99_ms']:8.1f} ms  errors {row['errors']}  "
+            f"cores {row['cores_used']}  stages {row['server_timing_p50_ms'] or '-'}{packing}",
+            flush=True,
+        )
+        record.save()
 
 
 # ---- the service ----
@@ -484,14 +514,20 @@ def first_answer(url: str, body: bytes, timeout_s: float) -> float:
     raise TimeoutError(f"no 200 from {url} within {timeout_s} s")
 
 
-def full_speed(url: str, model_id: str, timeout_s: float) -> tuple[float, dict]:
+def full_speed(url: str, model_id: str, timeout_s: float, replicas: int | None = None) -> tuple[float, dict]:
+    """When the encoder replica that answers reports every graph live (with `replicas`: when
+    Serve runs exactly that many and each reports it); returns that time and that replica's warm-up."""
     import httpx
 
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
         try:
-            replica = httpx.get(f"{url}/v1/models/{model_id}", timeout=10).json()["encoder"]["replica"]
-            if replica.get("warmup", {}).get("full_speed"):
+            encoder = httpx.get(f"{url}/v1/models/{model_id}", timeout=10).json()["encoder"]
+            replica, each = encoder["replica"], encoder.get("replica_warmup", {}).values()
+            if replica.get("warmup", {}).get("full_speed") and (
+                replicas is None
+                or (encoder["replicas"] == {"RUNNING": replicas} and sum(w["full_speed"] for w in each) == replicas)
+            ):
                 return time.monotonic(), replica["warmup"]
         except Exception:  # noqa: BLE001 - not up yet
             pass
@@ -499,18 +535,18 @@ def full_speed(url: str, model_id: str, timeout_s: float) -> tuple[float, dict]:
     raise TimeoutError(f"not at full speed within {timeout_s} s")
 
 
-def start_service(args, out: Path, tag: str) -> tuple[ServeRun, dict]:
+def start_service(args, config_path: Path, out: Path, tag: str, replicas: int | None) -> tuple[ServeRun, dict]:
     from deployments.config import AppConfig
 
-    config = yaml.safe_load(args.config.read_text())
+    config = yaml.safe_load(config_path.read_text())
     app = config["applications"][0]
     url = f"http://127.0.0.1:{config.get('http_options', {}).get('port', 8000)}"
-    service = ServeRun(args.config, out / f"serve_run_{tag}.log")
+    service = ServeRun(config_path, out / f"serve_run_{tag}.log")
     probe = http_body(single_images(1, seed=99)[0], "safetensors", True)
     try:
         answered = first_answer(url, probe, args.startup_timeout)
         model_id = AppConfig.model_validate(app.get("args", {})).model.model_id
-        fast, warmup = full_speed(url, model_id, args.startup_timeout)
+        fast, warmup = full_speed(url, model_id, args.startup_timeout, replicas)
     except BaseException:
         service.stop()
         raise
@@ -521,7 +557,23 @@ def start_service(args, out: Path, tag: str) -> tuple[ServeRun, dict]:
         "replica_warmup": warmup,
     }
     print(f"startup ({tag}): {json.dumps({k: v for k, v in startup.items() if k != 'replica_warmup'})}", flush=True)
-    return service, {"url": url, "app": app["name"], **startup}
+    return service, {"url": url, "app": app["name"], "model_id": model_id, **startup}
+
+
+def rescale(config_path: Path, startup: dict, replicas: int, timeout_s: float) -> dict:
+    """Deploy `config_path` (the same application, another replica count) over the running one,
+    as `serve run` deployed it, and wait until exactly `replicas` encoder replicas run at full
+    speed. Serve stops the newest replicas first, so scaling down keeps warm ones."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    start = time.monotonic()
+    document = ServeDeploySchema.model_validate(yaml.safe_load(config_path.read_text()))
+    _get_global_client().deploy_apps(document, _blocking=False)
+    fast, _ = full_speed(startup["url"], startup["model_id"], timeout_s, replicas)
+    rescaled = {"replicas": replicas, "at_full_speed_s": round(fast - start, 1)}
+    print(f"rescaled: {json.dumps(rescaled)}", flush=True)
+    return rescaled
 
 
 def compare_handle_and_http(handle, url: str, requests: list[list]) -> float:
@@ -658,13 +710,20 @@ def failover(args, call, requests: list[list], service: ServeRun, app: str) -> d
     return result
 
 
-def run_ours(args, requests: list[list], record: Record) -> None:
+def run_ours(args, requests: list[list]) -> list[Path]:
+    """Start the service once and measure it at each of `--replicas` in turn (largest first:
+    scaling down keeps replicas that are warm), each count's results in `<out>/replicas_<n>/`
+    where there are several; returns the folders written."""
     import ray
     from ray import serve
 
-    service, startup = start_service(args, args.out, "cold")
-    record["startup"] = {"cold": startup}
-    record.save()
+    counts = args.replicas or [None]
+    folders = [args.out / f"replicas_{n}" if len(counts) > 1 else args.out for n in counts]
+    configs = [fixed_replicas(args.config, n, out) if n else args.config for n, out in zip(counts, folders)]
+    # a replica is killed at the last count that leaves a survivor (before scaling down drops the replacement)
+    kill_at = max((i for i, n in enumerate(counts) if (n or 2) >= 2), default=None) if args.failover else None
+    service, startup = start_service(args, configs[0], folders[0], "cold", counts[0])
+    pools: dict = {}  # client processes, kept across points and replica counts
     try:
         ray.init(address=service.address, log_to_driver=False)
         handle = serve.get_app_handle(startup["app"])
@@ -676,29 +735,44 @@ def run_ours(args, requests: list[list], record: Record) -> None:
             "safetensors": ("http", url + "/v1/encode", "safetensors"),
             "json": ("http", url + "/v1/encode", "base64"),
         }
-        if args.single:
-            single = {"handle": ("handle", call), "safetensors": interfaces["safetensors"]}
-            record["single_448"] = {}
-            measure(args, "ours", single, single_images(args.single), [1], record["single_448"], record)
-        chosen = {k: interfaces[k] for k in args.interfaces.split(",")}
-        record["mixed"] = {}
-        measure(args, "ours", chosen, requests, args.concurrency, record["mixed"], record, lambda: counters(url))
-        record["handle_vs_http_max_rel_error"] = compare_handle_and_http(handle, url, requests[:16])
-        if args.failover:
-            record["failover"] = failover(args, call, requests, service, startup["app"])
+        for index, (replicas, out, config) in enumerate(zip(counts, folders, configs)):
+            record = Record(out, "ours", config)
+            if index == 0:
+                record["startup"] = {"cold": startup}
+            else:
+                record["rescaled"] = rescale(config, startup, replicas, args.startup_timeout)
             record.save()
-        import httpx
+            if args.single:
+                single = {"handle": ("handle", call), "safetensors": interfaces["safetensors"]}
+                record["single_448"] = {}
+                measure(
+                    args, "ours", single, single_images(args.single), [1], record["single_448"], record, pools=pools
+                )
+            chosen = {k: interfaces[k] for k in args.interfaces.split(",")}
+            record["mixed"] = {}
+            snapshot = lambda: counters(url)  # noqa: E731
+            measure(args, "ours", chosen, requests, args.concurrency, record["mixed"], record, snapshot, pools)
+            record["handle_vs_http_max_rel_error"] = compare_handle_and_http(handle, url, requests[:16])
+            if index == kill_at:
+                record["failover"] = failover(args, call, requests, service, startup["app"])
+                record.save()
+            import httpx
 
-        model_id = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]][0]
-        detail = httpx.get(f"{url}/v1/models/{model_id}", timeout=30).json()["encoder"]
-        record["router"], record["replica"] = detail["router"], detail["replica"]
+            detail = httpx.get(f"{url}/v1/models/{startup['model_id']}", timeout=30).json()["encoder"]
+            record["router"], record["replica"] = detail["router"], detail["replica"]
+            record["complete"] = not args.restart
+            record.save()
     finally:
+        for pool in pools.values():
+            pool.close()
         ray.shutdown()
         service.stop()
     if args.restart:
-        record.save()
-        service, record["startup"]["warm_cache"] = start_service(args, args.out, "warm_cache")
+        service, record["startup"]["warm_cache"] = start_service(args, configs[0], args.out, "warm_cache", counts[0])
         service.stop()
+        record["complete"] = True
+        record.save()
+    return folders
 
 
 def fixed_replicas(config: Path, replicas: int, out: Path) -> Path:
@@ -710,6 +784,7 @@ def fixed_replicas(config: Path, replicas: int, out: Path) -> Path:
             if deployment["name"] == "EncoderReplica":
                 deployment.pop("autoscaling_config", None)
                 deployment["num_replicas"] = replicas
+    out.mkdir(parents=True, exist_ok=True)
     path = out / f"{config.stem}_{replicas}_replicas.yaml"
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path
@@ -892,6 +967,41 @@ def table(runs: dict) -> str:
     return "\n".join(lines)
 
 
+def scaling_table(runs: dict[int, dict]) -> str:
+    """Each interface's best point per replica count, and its ratio to the fewest replicas' best."""
+    fewest = min(runs)
+    interfaces = sorted({i for run in runs.values() for i in run.get("mixed", {})})
+    lines = [
+        "| replicas | "
+        + " | ".join(f"{i}: tok/s (c, p50 ms) | x{fewest}" for i in interfaces)
+        + " | routers' cores (with decode workers) |",
+        "|---|" + "---|---|" * len(interfaces) + "---|",
+    ]
+    best = {
+        (n, i): max(run.get("mixed", {}).get(i, {}).values(), key=lambda p: p["tokens_per_s"], default=None)
+        for n, run in runs.items()
+        for i in interfaces
+    }
+    for n in sorted(runs):
+        cells, cores = [], []
+        for i in interfaces:
+            point, base = best[n, i], best[fewest, i]
+            if point is None:
+                cells += ["", ""]
+                continue
+            level = next(c for c, p in runs[n]["mixed"][i].items() if p is point)
+            ratio = f"{point['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else ""
+            cells += [f"{point['tokens_per_s']:.0f} ({level}, {point['p50_ms']:.0f})", ratio]
+            used = point["cores_used"]
+            cores.append(f"{i} {used.get('EncoderRouter', 0) + used.get('decode_worker', 0):.1f}")
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {', '.join(cores)} |")
+    killed = [(n, run["failover"]) for n, run in runs.items() if "failover" in run]
+    for n, result in killed:
+        shown = {k: v for k, v in result.items() if k != "tokens_per_second_from_kill"}
+        lines.append(f"\nOne of {n} encoder replicas killed under handle load: {shown}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=ROOT / "configs/gpu.yaml")
@@ -911,7 +1021,13 @@ def main() -> None:
     parser.add_argument(
         "--single", type=int, default=256, help="ours: distinct 448x448 images at concurrency 1 (0: skip)"
     )
-    parser.add_argument("--replicas", type=int, help="ours: this many encoder replicas, autoscaling off")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        nargs="+",
+        help="ours: this many encoder replicas, autoscaling off; several (largest first): one service "
+        "scaled down to each in turn, results in <out>/replicas_<n>/ and a scaling table in <out>/scaling.md",
+    )
     parser.add_argument(
         "--failover", type=float, default=0, help="ours: seconds of handle load with one encoder replica killed"
     )
@@ -923,25 +1039,35 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.replicas:
-        args.config = fixed_replicas(args.config, args.replicas, args.out)
+    if args.replicas and len(args.replicas) > 1:
+        if args.systems != "ours" or args.restart or args.replicas != sorted(args.replicas, reverse=True):
+            parser.error("several --replicas: --systems ours only, no --restart, largest count first")
+    folders = [args.out]
     if not args.report:
         requests = workload(args.requests)
         for system in args.systems.split(","):
-            record = Record(args.out, system, args.config)
             if system == "ours":
-                run_ours(args, requests, record)
-            elif system == "encoder":
+                folders = run_ours(args, requests)
+                continue
+            record = Record(args.out, system, args.config)
+            if system == "encoder":
                 run_encoder(args, requests, record)
             else:
                 run_baseline(args, system, requests, record)
             record["complete"] = True
             record.save()
-    runs = load_runs(args.out)
-    plot(runs, args.out)
-    report = table(runs)
-    (args.out / "e2e.md").write_text(report + "\n")
-    print(report)
+    elif args.replicas and len(args.replicas) > 1:
+        folders = [args.out / f"replicas_{n}" for n in args.replicas]
+    for folder in folders:
+        runs = load_runs(folder)
+        plot(runs, folder)
+        report = table(runs)
+        (folder / "e2e.md").write_text(report + "\n")
+        print(report)
+    if len(folders) > 1:
+        report = scaling_table({int(f.name.removeprefix("replicas_")): load_runs(f).get("ours", {}) for f in folders})
+        (args.out / "scaling.md").write_text(report + "\n")
+        print(report)
 
 
 if __name__ == "__main__":

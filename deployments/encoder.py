@@ -372,6 +372,18 @@ class EncoderReplica:
         return {
             "queued_tokens": self._queued_tokens + self._inflight_tokens,
             "live_budgets": list(self.runner.live_budgets()),  # budgets whose packs replay a live graph
+            "warmup": self._warmup_summary(),  # for the routers' `/v1/models`, one entry per replica
+        }
+
+    def _warmup_summary(self) -> dict:
+        status = self.runner.warmup_status()
+        return {
+            "pid": os.getpid(),
+            "ready_s": round(self.ready_s, 2),
+            "stage": status.stage,
+            "graphs_live": status.graphs_live,
+            "graphs_total": status.graphs_total,
+            "full_speed": status.full_speed,
         }
 
     def record_autoscaling_stats(self) -> dict:

@@ -33,6 +33,7 @@ from .metrics import RouterMetrics, refresh_gauges
 from .ref_hold import ReferenceHold
 from .responses import encode_response_json, json_body, safetensors_body
 from .results import EncodeResult, ItemRef
+from .routing import replica_reports
 from .schemas import EncodeRequest
 
 logger = logging.getLogger("ray.serve")
@@ -207,6 +208,8 @@ class EncoderRouter:
                 "family": self.family,
                 "budgets": list(self.ladder),
                 "replicas": self.fleet.states,
+                # every replica's warm-up as its last routing report gave it (the `replica` below is one)
+                "replica_warmup": {rid: r["warmup"] for rid, r in replica_reports().items() if "warmup" in r},
                 "router": self.router_stats(),
                 "replica": await self._describe(self.encoder),
             }

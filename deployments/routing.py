@@ -5,11 +5,13 @@ Serve's default router balances request *counts*; an encoder's load is its queue
 in-flight tokens through `record_routing_stats`; this router also counts the tokens it
 sent itself and has not seen complete, which is exact and immediate for this caller. The
 load of a replica is the larger of the two (reports are periodic and cover other callers).
+The same reports carry each replica's warm-up, which `replica_reports` gives `/v1/models`.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections import defaultdict
 from typing import Optional
 
@@ -25,10 +27,29 @@ def pack_tokens(pending_request: Optional[PendingRequest]) -> int:
     return int(getattr(pending_request.args[0], "tokens", 0))
 
 
+_ROUTERS: weakref.WeakSet = weakref.WeakSet()
+"""This process's routers of this class (one per handle that sends to encoder replicas)."""
+
+
+def replica_reports() -> dict[str, dict]:
+    """Each encoder replica's last routing stats as this process's routers hold them (Serve's
+    controller collects them every `request_routing_stats_period_s`), by replica id."""
+    reports = {}
+    for router in list(_ROUTERS):
+        for replica_id, replica in list(router.curr_replicas.items()):
+            reports[replica_id.unique_id] = dict(replica.routing_stats or {})
+    return reports
+
+
 class FewestQueuedTokensRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, **kwargs) -> None:
         self._sent_tokens: dict[ReplicaID, int] = defaultdict(int)
         self._by_request: dict[str, tuple[ReplicaID, int, float]] = {}
+        # Serve pickles this class by value, module globals with it: the registry `replica_reports`
+        # reads is the imported module's, not this copy's.
+        from deployments import routing
+
+        routing._ROUTERS.add(self)
 
     def load(self, replica: RunningReplica) -> int:
         reported = int((replica.routing_stats or {}).get("queued_tokens", 0))

@@ -234,6 +234,14 @@ def test_health_models_and_docs(app, url, serve_harness):
         detail = model_detail(client, url)
         assert detail["family"] == app.args["model"]["family"] and detail["replicas"] == {"RUNNING": 1}
         assert detail["budgets"][-1] == app.args["graphs"].get("max_budget_tokens", detail["budgets"][-1])
+        # every replica's warm-up, from the routing reports Serve collects each second
+        deadline = time.monotonic() + 30
+        while not detail["replica_warmup"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+            detail = model_detail(client, url)
+        [warmup] = detail["replica_warmup"].values()
+        assert warmup["pid"] == detail["replica"]["pid"] and warmup["graphs_total"] == detail["replica"]["graphs"]
+        assert 0 <= warmup["graphs_live"] <= warmup["graphs_total"] and warmup["ready_s"] > 0
         unknown = client.get(url + "/v1/models/gpt-4o")
         assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
         assert client.get(url + "/docs").status_code == 200
