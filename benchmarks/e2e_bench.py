@@ -327,10 +327,15 @@ def own_cpu_seconds() -> float:
     return used.ru_utime + used.ru_stime
 
 
-def summarize(samples: list, warmup_s: float) -> dict:
+def summarize(samples: list, warmup_s: float, seconds: float) -> dict:
+    """Requests that completed within `seconds` after the first `warmup_s` (the callers keep
+    sending until its end): a steady state's throughput. Counting those that *started* in it
+    instead spends its first seconds on excluded requests, an undercount that grows with latency."""
     first = min(s[0] for s in samples) + warmup_s
-    kept = [s for s in samples if s[0] >= first] or samples
-    window = max(s[1] for s in kept) - min(s[0] for s in kept)
+    kept = [s for s in samples if first <= s[1] <= first + seconds]
+    window = seconds
+    if not kept:  # nothing completed in it (a stall): every sample, over their own span
+        kept, window = samples, max(s[1] for s in samples) - min(s[0] for s in samples)
     latencies = sorted((s[1] - s[0]) * 1e3 for s in kept)
     timed = [s[4] for s in kept if len(s) > 4 and s[4]]
     names = timed[0] if timed else {}
@@ -436,7 +441,7 @@ def _measure_interface(args, name, interface, how, requests, concurrencies, rows
             window.open()
             samples = asyncio.run(handle_load(how[1], requests, concurrency, seconds))
             window.close()
-        row = rows.setdefault(interface, {})[str(concurrency)] = summarize(samples, args.warmup)
+        row = rows.setdefault(interface, {})[str(concurrency)] = summarize(samples, args.warmup, args.seconds)
         row["cores_used"] = {k: round(v / window.elapsed, 2) for k, v in window.serve_used.items()}
         callers = window.own_used + clients_cpu
         row["cores_used"]["benchmark_callers"] = round(callers / window.elapsed, 2)
