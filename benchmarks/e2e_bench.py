@@ -9,13 +9,15 @@ Systems (`--systems`; each saved as `<out>/e2e_<system>.json`, the report built 
   safetensors and HTTP JSON at each
   concurrency, one 448x448 image at concurrency 1, and checks that handle and HTTP results agree.
   `--restart` starts it once more (the compile cache now filled) and records the same times.
+  `--replicas 4 2 1`: one service measured at each count in turn, scaled down while warm.
 - `batched`, `plain`: `benchmarks/baselines.py` on the same GPU (transformers' tower behind a
   Serve deployment, with and without `@serve.batch`), through HTTP JSON and the handle.
 - `encoder`: the encoder alone in this process (the config's runner, fully warmed) on the same
   item stream, packed by the router's packing rule: the ceiling the service is measured against.
 The workload: fixed-seed photos of common sizes 224x224 to 1920x1080 (JPEG), 1-3 per request,
 and a share of 8-frame videos (given as frames); requests opt out of the service's embedding
-cache. Prints a table, saves JSON and PNG plots (throughput against concurrency, latency CDF)
+cache. A point's throughput counts the requests that complete within its window, after its warm-up.
+Prints a table, saves JSON and PNG plots (throughput against concurrency, latency CDF)
 with device, versions and command.
 """
 
@@ -1044,7 +1046,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.replicas and len(args.replicas) > 1:
+    if args.replicas and len(args.replicas) > 1 and not args.report:
         if args.systems != "ours" or args.restart or args.replicas != sorted(args.replicas, reverse=True):
             parser.error("several --replicas: --systems ours only, no --restart, largest count first")
     folders = [args.out]
