@@ -8,9 +8,10 @@ binary-heavy forms stream: no response-sized buffer is built.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import torch
 
@@ -22,13 +23,17 @@ CHUNK_BYTES = 4 << 20
 faults in page by page), large enough that the chunks cost nothing per call."""
 
 
-def safetensors_body(model_id: str, results: list, dtype: str | None) -> tuple[int, Iterator[bytes]]:
+def safetensors_body(
+    model_id: str, results: list, dtype: str | None, views: bool = False
+) -> tuple[int, AsyncIterator[bytes | memoryview]]:
     """The response as a safetensors file, as (its length, its chunks): `{i}.embedding` and
     `{i}.deepstack.{k}` tensors; model, usage and each item's grid and modality in the header's
-    `__metadata__` (string values, JSON where structured). The tensors are read where they lie
-    in the object store and copied out a chunk at a time (converted per chunk where a dtype is
-    asked); the safetensors library's `save` would build the whole file in one buffer first.
-    Decode it with `safetensors.torch.load`."""
+    `__metadata__` (string values, JSON where structured). The tensors go out a chunk at a time
+    from where they lie in the object store: with `views`, as views of it (where the router's own
+    HTTP server writes them; Serve's proxy pickles each message, and a view does not pickle),
+    else copied (or converted, where another dtype is asked) in a worker thread. The safetensors
+    library's `save` would build the whole file in one buffer first. Decode it with
+    `safetensors.torch.load`."""
     tensors, metadata = {}, {"model": model_id}
     for r in results:
         tensors[f"{r.index}.embedding"] = r.embedding
@@ -41,14 +46,22 @@ def safetensors_body(model_id: str, results: list, dtype: str | None) -> tuple[i
     header = safetensors_header({name: (target[name], list(t.shape)) for name, t in tensors.items()}, metadata)
     length = len(header) + sum(t.numel() * target[n].itemsize for n, t in tensors.items())
 
-    def chunks() -> Iterator[bytes]:
+    async def chunks() -> AsyncIterator[bytes | memoryview]:
         yield header
         for name, tensor in tensors.items():
             flat, step = tensor.reshape(-1), CHUNK_BYTES // target[name].itemsize
-            for start in range(0, flat.numel(), step):  # converted a chunk at a time, where asked
-                yield flat[start : start + step].to(target[name]).view(torch.uint8).numpy().tobytes()
+            for start in range(0, flat.numel(), step):
+                piece = flat[start : start + step]
+                if views and piece.dtype == target[name]:  # the bytes as they lie: no copy, no thread
+                    yield memoryview(piece.view(torch.uint8).numpy())
+                else:
+                    yield await asyncio.to_thread(_converted_bytes, piece, target[name])
 
     return length, chunks()
+
+
+def _converted_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> bytes:
+    return tensor.to(dtype).view(torch.uint8).numpy().tobytes()
 
 
 def safetensors_header(tensors: dict[str, tuple[torch.dtype, list[int]]], metadata: dict[str, str]) -> bytes:

@@ -101,6 +101,7 @@ class EncoderRouter:
         self._described: tuple[float, dict] | None = None
         self._stop_gauges = refresh_gauges(self._set_gauges)
         api.state.router = self  # the serving app's handlers reach the router through this
+        self._http_views = http_ingress() != "serve-proxy"  # our own server writes views of the results
         set_proxy_access_log(config.router.log_requests)
         logger.info(
             "router ready in %.1f s (%d decode workers, HTTP through %s). Attach from Python: %s",
@@ -168,7 +169,10 @@ class EncoderRouter:
         serialize_start = time.perf_counter()
         if body.encoding_format != "float":  # streamed: `serialize` covers what comes before the tensors
             binary = body.encoding_format == "safetensors"
-            length, chunks = safetensors_body(model, results, body.dtype) if binary else json_body(model, results)
+            if binary:
+                length, chunks = safetensors_body(model, results, body.dtype, views=self._http_views)
+            else:
+                length, chunks = json_body(model, results)
             timing["serialize"] = time.perf_counter() - serialize_start
             headers = {"Server-Timing": server_timing(timing), "Content-Length": str(length)}
             media_type = "application/octet-stream" if binary else "application/json"

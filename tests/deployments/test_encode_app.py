@@ -117,6 +117,32 @@ def test_images_of_many_formats_and_modes_match_transformers(app, url, reference
     assert body["usage"]["vision_tokens"] == sum(entry["shape"][0] for entry in body["data"])
 
 
+@pytest.mark.parametrize("dtype", [None, "float32"])
+def test_safetensors_responses_match_transformers(app, url, reference, serve_harness, dtype):
+    """`encoding_format: safetensors` through the deployment, read by the safetensors library:
+    one tensor per output in the model's dtype (or the one asked), metadata in the header."""
+    from safetensors.torch import load
+
+    encoder, tower = reference
+    cases = images_in_many_formats()[:4]
+    body = {"items": [{"type": "image", "image": b64(d)} for _, d in cases], "cache": False}
+    body |= {"encoding_format": "safetensors"} | ({"dtype": dtype} if dtype else {})
+    with serve_harness.http() as client:
+        response = client.post(url + "/v1/encode", json=body)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/octet-stream"
+    assert int(response.headers["content-length"]) == len(response.content)
+    tensors = load(response.content)
+    for index, (name, data) in enumerate(cases):
+        tokens, deepstack, grid = reference_image(encoder, tower, data)
+        got = tensors[f"{index}.embedding"]
+        assert got.dtype == (torch.float32 if dtype else encoder.dtype), name
+        assert relative_error(got.float(), tokens) <= TOLERANCE, name
+        for level, features in enumerate([] if deepstack is None else deepstack):
+            assert relative_error(tensors[f"{index}.deepstack.{level}"].float(), features) <= TOLERANCE, name
+        assert (f"{index}.deepstack.0" in tensors) == (deepstack is not None)
+
+
 def test_video_given_as_frames_matches_transformers(url, reference, serve_harness):
     encoder, tower = reference
     frames = [image_file(pattern(160, 120, seed=s), "PNG") for s in range(6)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 
@@ -23,12 +24,23 @@ def result(index: int, tokens: int, levels: int | None) -> EncodeResult:
     return EncodeResult(index, "image", (1, 2 * tokens // 16, 32), tokens, None, _output=output)
 
 
+def drained(chunks) -> list:
+    async def collect():
+        return [chunk async for chunk in chunks]
+
+    return asyncio.run(collect())
+
+
 def test_the_streamed_body_is_a_safetensors_file_of_every_output(tmp_path):
     results = [result(0, 700, 3), result(1, 64, None)]  # 5.6 MB a tensor: several chunks each
-    length, chunks = safetensors_body("qwen3-vl-8b", results, None)
-    chunks = list(chunks)
+    length, chunks = safetensors_body("qwen3-vl-8b", results, None, views=True)
+    chunks = drained(chunks)
     body = b"".join(chunks)
     assert len(body) == length and max(len(c) for c in chunks[1:]) <= CHUNK_BYTES and len(chunks) > 6
+    # in the model's dtype the chunks are the outputs' own memory, not copies of it
+    assert numpy.shares_memory(numpy.asarray(chunks[1]), results[0].embedding.view(torch.uint8).numpy())
+    copied = drained(safetensors_body("qwen3-vl-8b", results, None)[1])  # for Serve's proxy, which pickles
+    assert b"".join(copied) == body and all(isinstance(chunk, bytes) for chunk in copied)
     assert (8 + int.from_bytes(body[:8], "little")) % 8 == 0  # the tensors start 8-byte aligned
     tensors = load(body)
     assert sorted(tensors) == ["0.deepstack.0", "0.deepstack.1", "0.deepstack.2", "0.embedding", "1.embedding"]
@@ -47,7 +59,7 @@ def test_the_streamed_body_is_a_safetensors_file_of_every_output(tmp_path):
 def test_a_requested_dtype_converts_each_tensor_as_it_streams(dtype):
     results = [result(0, 300, 3)]  # float32: 4.9 MB a tensor, two chunks
     length, chunks = safetensors_body("m", results, str(dtype).removeprefix("torch."))
-    body = b"".join(chunks)
+    body = b"".join(drained(chunks))
     tensors = load(body)
     assert len(body) == length and tensors["0.embedding"].dtype == dtype
     assert torch.equal(tensors["0.deepstack.2"], results[0].deepstack[2].to(dtype))
