@@ -277,7 +277,8 @@ class ClientPool:
     process cannot read the results of a fast service). Each gets the requests once: starting a
     Ray driver, or pickling the bodies over, for every point took longer than the point."""
 
-    def __init__(self, setup: Callable, static: tuple, processes: int):
+    def __init__(self, setup: Callable, static: tuple, processes: int, workload: list):
+        self.workload = workload  # its id keys the pool: held, it cannot be reused by another list
         context = multiprocessing.get_context("spawn")
         self.out, self.inboxes = context.Queue(), [context.Queue() for _ in range(processes)]
         self.clients = [
@@ -426,13 +427,13 @@ def measure(
 
 
 def _measure_interface(args, name, interface, how, requests, concurrencies, rows, record, snapshot, pools) -> None:
-    key = (interface, how[:3], len(requests))  # client processes per interface and workload
+    key = (interface, how[:3], id(requests))  # client processes per interface and workload (kept alive by the pool)
     if how[0] in ("handles", "http") and key not in pools:
         if how[0] == "handles":
-            pools[key] = ClientPool(_handle_setup, (how[1], how[2], requests), how[3])
+            pools[key] = ClientPool(_handle_setup, (how[1], how[2], requests), how[3], requests)
         else:
             bodies = [http_body(r, how[2], name == "ours") for r in requests]
-            pools[key] = ClientPool(_http_setup, (how[1], bodies, how[2]), min(8, max(concurrencies)))
+            pools[key] = ClientPool(_http_setup, (how[1], bodies, how[2]), min(8, max(concurrencies)), requests)
     for concurrency in concurrencies:
         seconds = args.seconds + args.warmup
         window, clients_cpu = Window(), 0.0  # callers in other processes report their own CPU
