@@ -193,8 +193,9 @@ def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, refe
     async def kill_midway(index):
         # From the 100th answer on, kill a replica as soon as one is seen computing, so the kill
         # hits packs in flight: a replica caught between packs retries nothing and the test would
-        # prove nothing. Computing: its threads ran >= 15 ms within 25 ms (idle threads run
-        # microseconds). Kill the busier one anyway by the 300th answer.
+        # prove nothing. Computing: its threads ran >= 5 ms within 25 ms (idle threads run
+        # microseconds; beside the rest of the suite on 2 cores a forward gets less than all of
+        # one). Kill the busier one anyway by the 350th answer.
         if killed.is_set() or index < 100 or probing[0]:
             return
         probing[0] = True
@@ -204,7 +205,7 @@ def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, refe
             ran = [cpu_seconds(pid) - start for pid, start in zip(replicas, before)]
         finally:
             probing[0] = False
-        if (max(ran) >= 0.015 or index >= 300) and not killed.is_set():
+        if (max(ran) >= 0.005 or index >= 350) and not killed.is_set():
             os.kill(replicas[ran.index(max(ran))], signal.SIGKILL)
             killed.set()
 
