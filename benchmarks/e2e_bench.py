@@ -10,6 +10,7 @@ Systems (`--systems`; each saved as `<out>/e2e_<system>.json`, the report built 
   concurrency, one 448x448 image at concurrency 1, and checks that handle and HTTP results agree.
   `--restart` starts it once more (the compile cache now filled) and records the same times.
   `--replicas 4 2 1`: one service measured at each count in turn, scaled down while warm.
+  `--settle S`: S seconds of unrecorded load first (each graph's first pack is checked against eager).
 - `batched`, `plain`: `benchmarks/baselines.py` on the same GPU (transformers' tower behind a
   Serve deployment, with and without `@serve.batch`), through HTTP JSON and the handle.
 - `encoder`: the encoder alone in this process (the config's runner, fully warmed) on the same
@@ -399,6 +400,13 @@ class Record(dict):
         os.replace(partial, self.path)
 
 
+class Discard(dict):
+    """A record that keeps nothing (a load that is not measured)."""
+
+    def save(self) -> None:
+        pass
+
+
 def measure(
     args,
     name: str,
@@ -743,6 +751,21 @@ def run_ours(args, requests: list[list]) -> list[Path]:
             "safetensors": ("http", url + "/v1/encode", "safetensors"),
             "json": ("http", url + "/v1/encode", "base64"),
         }
+        if args.settle:  # every graph's first pack is checked against eager: not the steady state
+            print(f"settle: {args.settle} s of load, not recorded", flush=True)
+            first = args.interfaces.split(",")[0]
+            unrecorded = argparse.Namespace(**{**vars(args), "seconds": args.settle, "warmup": 0.0})
+            measure(
+                unrecorded,
+                "ours",
+                {first: interfaces[first]},
+                requests,
+                [max(args.concurrency)],
+                {},
+                Discard(),
+                None,
+                pools,
+            )
         for index, (replicas, out, config) in enumerate(zip(counts, folders, configs)):
             record = Record(out, "ours", config)
             if index == 0:
@@ -1018,6 +1041,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--seconds", type=float, default=8.0, help="measured window per point (after --warmup)")
     parser.add_argument("--warmup", type=float, default=1.5)
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        help="ours: seconds of load (first interface, highest concurrency) after startup, not recorded: "
+        "each graph's first pack on each replica is checked against eager",
+    )
     parser.add_argument("--requests", type=int, default=256, help="distinct requests in the workload")
     parser.add_argument("--restart", action="store_true", help="ours: start again with the filled compile cache")
     parser.add_argument("--startup-timeout", type=float, default=600)
