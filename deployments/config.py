@@ -99,7 +99,10 @@ class RouterSettings(_Strict):
         256 * MiB, ge=0, description="Embedding cache size per router replica (0 turns the cache off)."
     )
     decode_workers: int = Field(
-        4, gt=0, description="Decode worker processes per router replica (image and video parsing, resizing)."
+        4,
+        gt=0,
+        description="Decode worker processes per router replica (image and video parsing, resizing), plus one "
+        "kept for small images.",
     )
     decode_timeout_s: float = Field(
         5.0, gt=0, description="Longest one item may take to inspect or decode; its worker is then killed (413)."

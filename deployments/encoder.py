@@ -174,13 +174,20 @@ class EncoderReplica:
         self._stop_gauges = refresh_gauges(self._set_gauges)
         self.actor_id = ray.get_runtime_context().get_actor_id()
         self.ready_s = time.perf_counter() - start
+        status = self.runner.warmup_status()
+        if self.runner.use_graphs:
+            then = (
+                f"packs run eagerly while {status.graphs_total} graphs warm up in the background; "
+                "the log says when it is at full speed"
+            )
+        else:  # nothing to capture on this device: the table's budgets still shape the packs
+            then = f"packs run eagerly ({self.encoder.device.type}: no CUDA graphs)"
         logger.info(
-            "encoder replica ready in %.1f s (weights %.1f s, prepare %.1f s): packs run eagerly while "
-            "%d graphs warm up in the background; the log says when it is at full speed",
+            "encoder replica ready in %.1f s (weights %.1f s, prepare %.1f s): %s",
             self.ready_s,
             self.loaded_s,
-            self.runner.warmup_status().stage_seconds.get("prepare", 0.0),
-            self.runner.warmup_status().graphs_total,
+            status.stage_seconds.get("prepare", 0.0),
+            then,
         )
 
     def _set_gauges(self) -> None:

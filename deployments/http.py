@@ -135,9 +135,14 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    _count(request, 400)
     first = exc.errors()[0]
     location = [part for part in first.get("loc", ()) if part != "body"]
+    sent_as = request.headers.get("content-type", "")
+    if not location and "json" not in sent_as.lower():  # e.g. `curl -d` without a JSON content type
+        _count(request, 415)
+        message = f"send the body as JSON, with Content-Type: application/json (got {sent_as or 'none'})"
+        return JSONResponse(RequestError(415, message).body(), status_code=415)
+    _count(request, 400)
     if first.get("type") == "json_invalid":
         return JSONResponse(RequestError(400, f"body is not valid JSON: {first.get('msg')}").body(), status_code=400)
     if len(location) >= 2 and location[0] == "items" and isinstance(location[1], int):

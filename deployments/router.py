@@ -104,9 +104,9 @@ class EncoderRouter:
         self._http_views = http_ingress() != "serve-proxy"  # our own server writes views of the results
         set_proxy_access_log(config.router.log_requests)
         logger.info(
-            "router ready in %.1f s (%d decode workers, HTTP through %s). Attach from Python: %s",
+            "router ready in %.1f s (%d decode workers + 1 for small images, HTTP through %s). Attach from Python: %s",
             time.perf_counter() - start,
-            self.intake.pool.size,
+            self.intake.pool.size - 1,
             http_ingress(),
             attach_hint(serve.get_replica_context().app_name),
         )

@@ -492,6 +492,14 @@ def test_bad_input_gets_its_documented_error_and_the_next_request_succeeds(bad: 
     assert_still_serving(client, url)
 
 
+def test_a_json_body_sent_as_another_content_type_gets_415_naming_it(urls, client):
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):  # curl -d's default
+        body = json.dumps(one(image(png(64, 64, seed=5)))).encode()
+        response = client.post(urls["default"] + "/v1/encode", content=body, headers={"Content-Type": content_type})
+        assert_error(response, 415, None, ("Content-Type: application/json", content_type))
+    assert_still_serving(client, urls["default"])
+
+
 def test_chunked_body_over_max_request_bytes_gets_413(urls, client):
     body = padded_json(one(GOOD_ITEM), 400_000)
     chunks = (body[i : i + 65536] for i in range(0, len(body), 65536))  # httpx sends an iterator chunked
