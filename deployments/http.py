@@ -137,10 +137,10 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0]
     location = [part for part in first.get("loc", ()) if part != "body"]
-    sent_as = request.headers.get("content-type", "")
-    if not location and "json" not in sent_as.lower():  # e.g. `curl -d` without a JSON content type
+    if not location and isinstance(first.get("input"), bytes):  # not parsed: not sent as JSON (`curl -d`)
         _count(request, 415)
-        message = f"send the body as JSON, with Content-Type: application/json (got {sent_as or 'none'})"
+        sent_as = request.headers.get("content-type") or "none"
+        message = f"send the body as JSON, with Content-Type: application/json (got {sent_as})"
         return JSONResponse(RequestError(415, message).body(), status_code=415)
     _count(request, 400)
     if first.get("type") == "json_invalid":

@@ -493,10 +493,12 @@ def test_bad_input_gets_its_documented_error_and_the_next_request_succeeds(bad: 
 
 
 def test_a_json_body_sent_as_another_content_type_gets_415_naming_it(urls, client):
+    body = json.dumps(one(image(png(64, 64, seed=5)))).encode()
     for content_type in ("text/plain", "application/x-www-form-urlencoded"):  # curl -d's default
-        body = json.dumps(one(image(png(64, 64, seed=5)))).encode()
         response = client.post(urls["default"] + "/v1/encode", content=body, headers={"Content-Type": content_type})
         assert_error(response, 415, None, ("Content-Type: application/json", content_type))
+    # a JSON body that is not an object is a 400 about the body, not about its content type
+    assert_error(post(client, urls["default"], b"[1, 2]"), 400, None, ("body",))
     assert_still_serving(client, urls["default"])
 
 
