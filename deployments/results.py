@@ -8,6 +8,7 @@ reads them itself: no copy passes through the router or the caller.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 from dataclasses import dataclass, field
@@ -19,6 +20,10 @@ import torch
 from models.protocol import ItemOutput
 
 from .errors import overloaded
+
+
+THREAD_COPY_BYTES = 1 << 20
+"""`fetch` copies results at least this large in a worker thread, off the caller's event loop."""
 
 
 def owned(output: ItemOutput) -> ItemOutput:
@@ -74,10 +79,14 @@ class EncodeResult(ItemRef):
         return self._output
 
     async def fetch(self) -> EncodeResult:
-        """Read the tensors without blocking an event loop (inside async code)."""
+        """Read the tensors without blocking an event loop (inside async code). The copy out of
+        the object store runs in a worker thread (the memcpy releases the GIL): one caller process
+        at 30,000 vision tokens/s copies ~1 GB/s, which on its event loop stalls its other requests."""
         if self._output is None:
             with self._lost_as_503():
-                self._output = owned(await self.ref)
+                output = await self.ref
+            big = output.tokens.nbytes + (0 if output.deepstack is None else output.deepstack.nbytes)
+            self._output = await asyncio.to_thread(owned, output) if big >= THREAD_COPY_BYTES else owned(output)
         return self
 
     @contextlib.contextmanager

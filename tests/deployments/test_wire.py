@@ -76,3 +76,23 @@ def test_a_caller_owns_its_result_after_one_copy():
     copied = owned(whole)
     assert copied.deepstack.data_ptr() != whole.deepstack.data_ptr()
     assert torch.equal(copied.deepstack, whole.deepstack) and torch.equal(copied.tokens, whole.tokens)
+
+
+def test_fetch_gives_the_caller_its_own_copy_large_or_small(serve_harness):
+    """`fetch` copies results of `THREAD_COPY_BYTES` or more in a worker thread and smaller ones
+    in place: either way the caller gets the stored values in memory of its own."""
+    import asyncio
+
+    import ray
+
+    from deployments.results import THREAD_COPY_BYTES, EncodeResult
+
+    for rows in (8, THREAD_COPY_BYTES // (4 * 256 * 2) + 1):  # below and above the threshold (bf16, 4 blocks)
+        stored = ItemOutput(torch.randn(rows, 256).to(torch.bfloat16), torch.randn(3, rows, 256).to(torch.bfloat16))
+        ref = ray.put(stored)
+        result = asyncio.run(EncodeResult(0, "image", (1, 2, 2), rows, ref).fetch())
+        assert torch.equal(result.embedding, stored.tokens) and torch.equal(result.deepstack, stored.deepstack)
+        result.embedding.zero_()
+        result.deepstack.zero_()
+        again = ray.get(ref)
+        assert torch.equal(again.tokens, stored.tokens) and torch.equal(again.deepstack, stored.deepstack)
