@@ -21,7 +21,6 @@ from models.protocol import ItemOutput
 
 from .errors import overloaded
 
-
 THREAD_COPY_BYTES = 1 << 20
 """`fetch` copies results at least this large in a worker thread, off the caller's event loop."""
 

@@ -113,3 +113,27 @@ def test_engine_kwargs_are_vllms_only_and_leave_the_checkpoint_and_dtype_to_thei
         AppConfig.model_validate(
             {**both, "llm": {"engine": "vllm", "path": "/ckpt", "engine_kwargs": {"model": "x", "dtype": "half"}}}
         )
+
+
+def test_every_shipped_config_validates_and_names_our_deployments():
+    """Each `configs/*.yaml` passes Serve's own schema, its `args` pass `AppConfig`, and it
+    configures only deployments this package defines (a misspelled name fails only at deploy)."""
+    from pathlib import Path
+
+    from ray.serve.schema import ServeDeploySchema
+
+    from deployments.encoder import EncoderReplica
+    from deployments.llm import LLMReplica
+    from deployments.router import EncoderRouter
+    from deployments.vllm_engine import VLLMReplica
+
+    ours = {d.name for d in (EncoderReplica, EncoderRouter, LLMReplica, VLLMReplica)}
+    paths = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+    assert len(paths) >= 6
+    for path in paths:
+        document = yaml.safe_load(path.read_text())
+        ServeDeploySchema.model_validate(document)
+        for app in document["applications"]:
+            AppConfig.model_validate(app.get("args", {}))
+            named = {d["name"] for d in app.get("deployments", [])}
+            assert named <= ours, f"{path.name}: {sorted(named - ours)} are not deployments of this package"
