@@ -927,6 +927,7 @@ def plot(runs: dict, out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
     for name, run in runs.items():
@@ -946,6 +947,10 @@ def plot(runs: dict, out: Path) -> None:
     right.set(
         xlabel="latency (ms)", ylabel="fraction of requests", xscale="log", title="latency CDF, highest concurrency"
     )
+    # latencies span a decade or two: label 1-2-5 steps in ms (the default minor labels overlap)
+    right.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    right.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+    right.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     left.legend(fontsize=7)
     right.legend(fontsize=7)
     figure.tight_layout()
