@@ -78,14 +78,15 @@ class EncodeResult(ItemRef):
         return self._output
 
     async def fetch(self) -> EncodeResult:
-        """Read the tensors without blocking an event loop (inside async code). The copy out of
-        the object store runs in a worker thread (the memcpy releases the GIL): one caller process
-        at 30,000 vision tokens/s copies ~1 GB/s, which on its event loop stalls its other requests."""
+        """Read the tensors without blocking an event loop (inside async code). Large results are
+        copied in a worker thread, so that the caller's event loop keeps serving its other requests."""
         if self._output is None:
             with self._lost_as_503():
                 output = await self.ref
             big = output.tokens.nbytes + (0 if output.deepstack is None else output.deepstack.nbytes)
-            self._output = await asyncio.to_thread(owned, output) if big >= THREAD_COPY_BYTES else owned(output)
+            copy = await asyncio.to_thread(owned, output) if big >= THREAD_COPY_BYTES else owned(output)
+            if self._output is None:  # a concurrent fetch may have finished first: keep the copy it gave
+                self._output = copy
         return self
 
     @contextlib.contextmanager

@@ -78,20 +78,42 @@ def test_a_caller_owns_its_result_after_one_copy():
     assert torch.equal(copied.deepstack, whole.deepstack) and torch.equal(copied.tokens, whole.tokens)
 
 
-def test_fetch_gives_the_caller_its_own_copy_large_or_small(serve_harness):
-    """`fetch` copies results of `THREAD_COPY_BYTES` or more in a worker thread and smaller ones
-    in place: either way the caller gets the stored values in memory of its own."""
+def test_fetch_gives_the_caller_its_own_copy_large_or_small(serve_harness, monkeypatch):
+    """`fetch` copies results of `THREAD_COPY_BYTES` or more in a worker thread (the caller's event
+    loop runs on meanwhile) and smaller ones in place: either way the caller gets the stored values
+    in memory of its own, and a second `fetch` keeps the first copy."""
     import asyncio
+    import threading
 
     import ray
 
+    from deployments import results
     from deployments.results import THREAD_COPY_BYTES, EncodeResult
 
-    for rows in (8, THREAD_COPY_BYTES // (4 * 256 * 2) + 1):  # below and above the threshold (bf16, 4 blocks)
+    copied_on = []
+
+    def recording_owned(output):
+        copied_on.append(threading.get_ident())
+        return owned(output)
+
+    monkeypatch.setattr(results, "owned", recording_owned)
+
+    async def fetch_twice(result):
+        await result.fetch()
+        first = result.embedding
+        await result.fetch()
+        return threading.get_ident(), first
+
+    for rows, threaded in ((8, False), (THREAD_COPY_BYTES // (4 * 256 * 2) + 1, True)):  # bf16, 4 blocks
         stored = ItemOutput(torch.randn(rows, 256).to(torch.bfloat16), torch.randn(3, rows, 256).to(torch.bfloat16))
         ref = ray.put(stored)
-        result = asyncio.run(EncodeResult(0, "image", (1, 2, 2), rows, ref).fetch())
+        result = EncodeResult(0, "image", (1, 2, 2), rows, ref)
+        copied_on.clear()
+        loop_thread, first = asyncio.run(fetch_twice(result))
+        assert len(copied_on) == 1 and (copied_on[0] != loop_thread) == threaded
+        assert result.embedding is first
         assert torch.equal(result.embedding, stored.tokens) and torch.equal(result.deepstack, stored.deepstack)
+        assert result.embedding.untyped_storage().resizable() and result.deepstack.untyped_storage().resizable()
         result.embedding.zero_()
         result.deepstack.zero_()
         again = ray.get(ref)
