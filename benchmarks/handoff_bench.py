@@ -52,7 +52,7 @@ class Encoder:
 class LLM:
     async def receive(self, payload, start: float) -> dict:
         item = await payload[0] if isinstance(payload[0], ray.ObjectRef) else payload[0]
-        moved = item.tokens.nbytes + item.deepstack.nbytes
+        moved = item.nbytes
         return {"bytes": moved, "ms": (time.perf_counter() - start) * 1e3}
 
 

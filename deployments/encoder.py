@@ -104,10 +104,6 @@ class PackResult:
     """Packs in that forward."""
 
 
-def output_bytes(output: ItemOutput) -> int:
-    return output.tokens.nbytes + (0 if output.deepstack is None else output.deepstack.nbytes)
-
-
 def exit_on_cuda_error(error: Exception) -> None:
     """A CUDA error is sticky: this process cannot use the GPU any more. Exit, so that Serve
     replaces the replica and its callers resend their packs elsewhere."""
@@ -310,7 +306,7 @@ class EncoderReplica:
                 results.append(
                     PackResult(
                         [ray.put(out) for out in outputs],
-                        [output_bytes(out) for out in outputs],
+                        [out.nbytes for out in outputs],
                         self.actor_id,
                         queue_s=ran.started - waiting.arrived,
                         forward_s=ran.forward_s,

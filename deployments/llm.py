@@ -140,7 +140,7 @@ async def fetch_embeddings(refs: list, totals: dict) -> tuple[list[ItemOutput], 
     """(the encoder outputs behind `refs`, this handoff's images, bytes and ms), added to `totals`."""
     start = time.perf_counter()
     items = list(await asyncio.gather(*refs)) if refs else []
-    moved = sum(i.tokens.nbytes + (0 if i.deepstack is None else i.deepstack.nbytes) for i in items)
+    moved = sum(i.nbytes for i in items)
     handoff = {"images": len(items), "bytes": moved, "ms": (time.perf_counter() - start) * 1e3}
     for key in totals:
         totals[key] += handoff[key]

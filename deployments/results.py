@@ -83,8 +83,8 @@ class EncodeResult(ItemRef):
         if self._output is None:
             with self._lost_as_503():
                 output = await self.ref
-            big = output.tokens.nbytes + (0 if output.deepstack is None else output.deepstack.nbytes)
-            copy = await asyncio.to_thread(owned, output) if big >= THREAD_COPY_BYTES else owned(output)
+            big = output.nbytes >= THREAD_COPY_BYTES
+            copy = await asyncio.to_thread(owned, output) if big else owned(output)
             if self._output is None:  # a concurrent fetch may have finished first: keep the copy it gave
                 self._output = copy
         return self

@@ -84,6 +84,11 @@ class ItemOutput:
     deepstack: torch.Tensor | None = None
     """`[num_deepstack, output_tokens, out_hidden]` (Qwen3-VL) or None."""
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its tensors."""
+        return self.tokens.nbytes + (0 if self.deepstack is None else self.deepstack.nbytes)
+
     def __reduce__(self):
         return (_item_output_from_arrays, (to_wire(self.tokens), to_wire(self.deepstack)))
 
