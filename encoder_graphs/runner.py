@@ -14,6 +14,7 @@ the padded forward without graphs, so CI covers everything but the capture itsel
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -63,8 +64,9 @@ class EncoderRunner:
         compiled_forward: Callable[..., EncoderOutput] | None = None,
     ):
         """`ladder`: the deployment's (default: computed from `config`); `compiled_forward`: a
-        compiled `encoder.forward_padded` to use (default: `torch.compile` with `config.compile`
-        on CUDA; tests pass dynamo's "eager" backend on CPU)."""
+        compiled `encoder.forward_padded` to use (default with `config.compile` on CUDA: the
+        encoder's `compiled_forward`, its repeated layer compiled once by `torch.compile`; tests
+        pass dynamo's "eager" backend on CPU)."""
         self.encoder = encoder
         self.config = config
         self.device = encoder.device
@@ -75,7 +77,7 @@ class EncoderRunner:
         self.table = GraphTable(encoder, config, self.ladder, self.stats)
         self.memory.static_buffer_bytes = self.table.static_bytes
         if compiled_forward is None and config.compile and self.device.type == "cuda":
-            compiled_forward = torch.compile(encoder.forward_padded, dynamic=True)
+            compiled_forward = encoder.compiled_forward(functools.partial(torch.compile, dynamic=True))
         self.forwards = Forwards(encoder.forward_padded, compiled_forward)
         self.io = EntryIO(encoder, self.forwards, self.stats)
         self.costs = RouteCosts(self.device)
@@ -94,6 +96,7 @@ class EncoderRunner:
     def _compile_cache(self, root: str) -> CompileCache:
         layouts = {
             "dynamic": True,
+            "regions": "layer",
             "graphs": sorted(self.table.entries),
             "max_segments": self.ladder.max_segments,
             "segment_density": self.config.segment_density,

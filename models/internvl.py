@@ -30,6 +30,7 @@ from transformers.models.internvl.video_processing_internvl import InternVLVideo
 from .internvl_tower import InternVLVisionTower
 from .layout import exact_layout, pack_rows
 from .protocol import EncoderOutput, ItemSpec, PackLayout, TensorSpec
+from .regions import region_forward
 from .tiling import TilePreprocessor
 
 IMAGE_TOKEN = "<IMG_CONTEXT>"
@@ -166,6 +167,10 @@ class InternVLEncoder:
 
     def capturing(self) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+    def compiled_forward(self, compile: Callable[[Callable], Callable]) -> Callable[..., EncoderOutput]:
+        self.tower.layer.compile(compile)
+        return region_forward(self.forward_padded)
 
     def compile_identity(self) -> dict[str, str]:
         config = hashlib.sha256(self.tower.config.to_json_string(use_diff=False).encode()).hexdigest()[:16]

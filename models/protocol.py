@@ -243,3 +243,11 @@ class VisionEncoder(Protocol):
     def compile_identity(self) -> Mapping[str, str]:
         """What a compile of `forward_padded` depends on besides torch, the GPU and the layouts."""
         ...
+
+    def compiled_forward(
+        self, compile: Callable[[Callable[..., object]], Callable[..., object]]
+    ) -> Callable[..., EncoderOutput]:
+        """`forward_padded` with the tower's repeated layer compiled by `compile` once for all
+        layers (`models.regions`), compiled only in the calling thread: `forward_padded` itself
+        stays uncompiled, the reference the runner checks against."""
+        ...

@@ -33,6 +33,7 @@ from .layout import exact_layout, pack_rows, padded_cu_seqlens, padded_rows, seg
 from .presets import vlm_token_ids
 from .processing import ResizeRules, VisionPreprocessor
 from .protocol import EncoderOutput, ItemSpec, PackLayout, TensorSpec
+from .regions import Region, module_region, region_forward
 
 
 class PatchLinear(torch.nn.Module):
@@ -275,6 +276,7 @@ class QwenVisionEncoder:
         self.patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
         self.num_deepstack = 0
         self.min_item_tokens = preprocessor.min_item_tokens
+        self._regions: list[Region] | None = None
         if preprocessor.patch_size != config.patch_size or preprocessor.merge_size != config.spatial_merge_size:
             raise ValueError(
                 f"processor patch/merge size {preprocessor.patch_size}/{preprocessor.merge_size} does not match "
@@ -324,6 +326,21 @@ class QwenVisionEncoder:
             "attention": self.attention.implementation,
             "dtype": str(self.dtype).removeprefix("torch."),
         }
+
+    def compiled_forward(self, compile: Callable[[Callable], Callable]) -> Callable[..., EncoderOutput]:
+        if self._regions is None:
+            self._regions = self._layer_regions()
+        for region in self._regions:
+            region.compile(compile)
+        return region_forward(self.forward_padded)
+
+    def _layer_regions(self) -> list[Region]:
+        """What `compiled_forward` compiles (once): the blocks, one region for all of them, and
+        the mergers (transformers' loop calls them, their `forward` routed through the regions)."""
+        return [module_region(self.tower.blocks), module_region(self._mergers())]
+
+    def _mergers(self) -> list[torch.nn.Module]:
+        return [self.tower.merger]
 
     # ---- layouts and metadata ----
 

@@ -29,6 +29,7 @@ from .layout import padded_rows
 from .processing import InvalidItemError, ResizeRules
 from .protocol import EncoderOutput, ItemSpec, PackLayout, TensorSpec
 from .qwen import QwenVisionEncoder
+from .regions import Region
 
 try:  # Triton ships with torch's CUDA wheels; CPU-only installs run the plain ops
     from . import triton_norm
@@ -77,6 +78,42 @@ def residual_layer_norm(
     return summed, norm(summed)
 
 
+def stem(
+    tower: torch.nn.Module,
+    pixel_values: torch.Tensor,
+    interp_indices: torch.Tensor,
+    interp_weights: torch.Tensor,
+    position_ids: torch.Tensor,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """What `Qwen3VLVisionModel.forward` runs before its blocks, on precomputed metadata:
+    `(hidden, position_embeddings, the first block's norm1 of hidden)`."""
+    hidden = tower.patch_embed(pixel_values)
+    pos_embeds = (tower.pos_embed(interp_indices) * interp_weights[:, :, None]).sum(1)
+    hidden = hidden + pos_embeds.to(hidden.dtype)
+    position_embeddings = tower.rotary_pos_emb(hidden, position_ids)
+    hidden = hidden.reshape(hidden.shape[0], -1)
+    return hidden, position_embeddings, tower.blocks[0].norm1(hidden)
+
+
+def fused_layer(
+    block: torch.nn.Module,
+    next_norm: torch.nn.LayerNorm | None,
+    hidden: torch.Tensor,
+    normed: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One block of `Qwen3VLEncoder._run_tower`: `(hidden, normed)` in, the same out, where
+    `normed` is the block's `norm1` of `hidden` (the next block's, None after the last block)."""
+    attended = block.attn(normed, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings, **kwargs)
+    hidden, normed = residual_layer_norm(hidden, attended, block.norm2)
+    delta = block.mlp(normed)
+    if next_norm is None:
+        return hidden + delta, None
+    return residual_layer_norm(hidden, delta, next_norm)
+
+
 class Qwen3VLEncoder(QwenVisionEncoder):
     family = "qwen3-vl"
     tower_class = Qwen3VLVisionModel
@@ -94,6 +131,8 @@ class Qwen3VLEncoder(QwenVisionEncoder):
         self.fused_residual_norms = True
         """Run the tower's residual adds fused with the layer norms after them (`_run_tower`);
         False: transformers' own forward."""
+        self._stem = Region(stem)
+        self._fused_layer = Region(fused_layer)
 
     def _interpolation(self, spec: ItemSpec):
         tower = self.tower
@@ -144,26 +183,26 @@ class Qwen3VLEncoder(QwenVisionEncoder):
         kwargs = dict(kwargs)
         interp_indices, interp_weights = kwargs.pop("interp_indices"), kwargs.pop("interp_weights")
         position_ids, cu_seqlens = kwargs.pop("position_ids"), kwargs.pop("cu_seqlens")
-        hidden = tower.patch_embed(pixel_values)
-        pos_embeds = (tower.pos_embed(interp_indices) * interp_weights[:, :, None]).sum(1)
-        hidden = hidden + pos_embeds.to(hidden.dtype)
-        position_embeddings = tower.rotary_pos_emb(hidden, position_ids)
-        hidden = hidden.reshape(hidden.shape[0], -1)
+        hidden, position_embeddings, normed = self._stem(
+            tower, pixel_values, interp_indices, interp_weights, position_ids
+        )
         blocks = tower.blocks
-        normed = blocks[0].norm1(hidden)
         deepstack = []
         for index, block in enumerate(blocks):
-            attended = block.attn(normed, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings, **kwargs)
-            hidden, normed = residual_layer_norm(hidden, attended, block.norm2)
-            delta = block.mlp(normed)
-            if index + 1 < len(blocks):
-                hidden, normed = residual_layer_norm(hidden, delta, blocks[index + 1].norm1)
-            else:
-                hidden = hidden + delta
+            next_norm = blocks[index + 1].norm1 if index + 1 < len(blocks) else None
+            hidden, normed = self._fused_layer(
+                block, next_norm, hidden, normed, cu_seqlens, position_embeddings, **kwargs
+            )
             if index in tower.deepstack_visual_indexes:
                 merger = tower.deepstack_merger_list[tower.deepstack_visual_indexes.index(index)]
                 deepstack.append(merger(hidden))
         return SimpleNamespace(pooler_output=tower.merger(hidden), deepstack_features=deepstack)
+
+    def _layer_regions(self) -> list[Region]:
+        return [self._stem, self._fused_layer, *super()._layer_regions()]
+
+    def _mergers(self) -> list[torch.nn.Module]:
+        return [*self.tower.deepstack_merger_list, self.tower.merger]
 
     def _output(self, result) -> EncoderOutput:
         return EncoderOutput(tokens=result.pooler_output, deepstack=torch.stack(result.deepstack_features))

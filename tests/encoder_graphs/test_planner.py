@@ -75,6 +75,9 @@ class TileEncoder:
     def compile_identity(self) -> dict:
         return {"family": self.family}
 
+    def compiled_forward(self, compile):
+        return compile(self.forward_padded)  # one layer: the whole forward is its region
+
 
 def tiles_item(count: int) -> ItemSpec:
     """An image of `count` tiles (a segment each)."""

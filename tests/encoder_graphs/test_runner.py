@@ -346,10 +346,10 @@ def test_split_plan_places_every_item_once_within_the_smaller_budget(tokens):
 
 
 def eager_compiled(encoder):
-    """`forward_padded` under torch.compile with dynamo's "eager" backend: dynamo's guards and
+    """The encoder's compiled forward with dynamo's "eager" backend: dynamo's guards and
     stances as with inductor, in seconds on CPU (the runner compiles with inductor on CUDA)."""
     torch._dynamo.reset()
-    return torch.compile(encoder.forward_padded, backend="eager", dynamic=True)
+    return encoder.compiled_forward(functools.partial(torch.compile, backend="eager", dynamic=True))
 
 
 def test_exact_route_runs_uncompiled_rather_than_compile_on_a_request(qwen3):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -127,7 +128,7 @@ def test_a_background_compile_never_meets_a_pack(qwen3):
     From full speed on, the compiled routes serve."""
     encoder, reference = qwen3
     torch._dynamo.reset()
-    compiled = torch.compile(encoder.forward_padded, backend="eager", dynamic=True)
+    compiled = encoder.compiled_forward(functools.partial(torch.compile, backend="eager", dynamic=True))
     runner = EncoderRunner(encoder, GraphConfig(budgets=(64, 256)), compiled_forward=compiled)
     runner.prepare(progress=lambda message: None)
     thread = threading.Thread(target=runner.warm_up, kwargs={"progress": lambda message: None}, daemon=True)
@@ -153,7 +154,7 @@ def test_what_the_warm_up_compiles_serves_the_shared_buffers_without_recompiling
     touches the shared views before the packs do."""
     encoder, reference = qwen3
     torch._dynamo.reset()
-    compiled = torch.compile(encoder.forward_padded, backend="eager", dynamic=True)
+    compiled = encoder.compiled_forward(functools.partial(torch.compile, backend="eager", dynamic=True))
     config = GraphConfig(budgets=(64, 128, 256), self_check=False, compile_exact=False)
     runner = EncoderRunner(encoder, config, compiled_forward=compiled)
     runner.prepare(progress=lambda message: None)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 
 import numpy as np
@@ -235,12 +237,19 @@ def test_zero_sized_items_are_refused(encoder):
         encoder.preprocessor.video_spec(0, 10, 10)
 
 
-def test_tower_compiles_with_dynamic_tile_counts(encoder):
-    """`torch.compile(dynamic=True)` traces the tower once for every tile count (transformers' own
-    pixel shuffle made dynamo fail building a guard on `height % 0.5`)."""
-    tower = encoder.tower
-    compiled = torch.compile(tower.forward, dynamic=True, backend="aot_eager")
-    for tiles in (2, 3, 5):
-        rows = torch.randn(tiles * tower.tile_patches, encoder.patch_dim)
-        with torch.no_grad():
-            assert torch.equal(compiled(rows), tower(rows))
+def test_compiled_forward_serves_every_tile_count_without_recompiling(encoder):
+    """The compiled layer (dynamic shapes) traces once and serves other tile counts unchanged;
+    transformers' pixel shuffle, which dynamo could not guard (`height % 0.5`), stays outside it."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = encoder.compiled_forward(functools.partial(torch.compile, dynamic=True, backend="aot_eager"))
+    try:
+        for tiles in (2, 3, 5):
+            rows = torch.randn(tiles * encoder.tower.tile_patches, encoder.patch_dim)
+            layout = encoder.pack_layout(tiles * encoder.tower.tile_patches // encoder.merge_unit, 0, 0)
+            stance = torch.compiler.set_stance("fail_on_recompile") if tiles > 2 else contextlib.nullcontext()
+            with torch.no_grad(), stance:
+                assert torch.equal(compiled(rows, {}, layout).tokens, encoder.forward_padded(rows, {}, layout).tokens)
+    finally:
+        torch._dynamo.reset()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -252,7 +253,7 @@ def test_one_exact_compile_serves_equal_and_unequal_packs():
     pre = encoder.preprocessor
     rng = np.random.default_rng(17)
     torch._dynamo.reset()
-    compiled = torch.compile(encoder.forward_padded, backend="eager", dynamic=True)
+    compiled = encoder.compiled_forward(functools.partial(torch.compile, backend="eager", dynamic=True))
 
     def run(sizes):
         resized = [pre.resize_image(random_image(rng, h, w)) for h, w in sizes]
