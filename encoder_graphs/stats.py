@@ -63,6 +63,9 @@ class RunnerStats:
     recompile_fallbacks: int = 0
     """Packs that would have needed a new compile and ran uncompiled instead: exact-layout packs,
     and (`compile` without `cuda_graphs`) a budget's padded layout, counted once per layout."""
+    layout_compiles: int = 0
+    """Graphs whose capture found the compiled forward would compile for their layout: compiled
+    outside the device lock, then captured again (the warm-up's)."""
     recurring_hits: int = 0
     """Packs run by a recurring pack's own graph (not counted in `graph_hits`)."""
     recurring_captured: int = 0
@@ -127,6 +130,7 @@ class RunnerStats:
             "split_packs": self.split_packs,
             "compiled_exact": self.compiled_exact,
             "recompile_fallbacks": self.recompile_fallbacks,
+            "layout_compiles": self.layout_compiles,
             "recurring_hits": self.recurring_hits,
             "recurring_captured": self.recurring_captured,
             "recurring_evicted": self.recurring_evicted,

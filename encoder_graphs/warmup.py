@@ -246,38 +246,51 @@ class WarmUp:
             return min(pending, key=lambda e: e.key)
 
     def _build(self, entry: GraphEntry) -> None:
-        """One step: compile for the layout (no lock), the eager reference (no lock), then under
-        the lock the capture, one checked run and the replay timing; live if it passed."""
+        """One step: the eager reference (no lock), then under the lock the capture, one checked
+        run and one timed replay; live if it passed. The compiled forward runs on the entry's
+        layout outside the lock first only where it must: without graphs (the check calls it
+        under the lock), or where the capture found it would compile (then captured again)."""
         runner = self.runner
-        if runner.forwards.compiled is not None:
+        compiled = runner.forwards.compiled is not None
+        if compiled and runner.capture is None:
             self._warm_compiled(entry)
-        check = runner.config.self_check and (runner.use_graphs or runner.forwards.compiled is not None)
+        check = runner.config.self_check and (runner.use_graphs or compiled)
         if check:
             specs, pixels = self._sample_pack(entry.key)
             reference = runner.encoder.forward_eager(pixels, specs)
             metadata = runner.encoder.pack_metadata(specs, entry.layout)
-        with runner.device_lock:
-            if runner.capture is not None and not self._capture(entry):
-                return
-            if check and not self._check(entry, pixels, specs, metadata, reference):
-                return
-            if runner.capture is None and runner.forwards.compiled is not None:
-                self._built.append(entry)  # the serving thread calls no compiled forward yet
-            else:
-                entry.state = LIVE
+        for may_warm in (compiled and runner.capture is not None, False):
+            with runner.device_lock:
+                try:
+                    if runner.capture is not None and not self._capture(entry, may_warm):
+                        return
+                except _Warm:
+                    runner.stats.layout_compiles += 1
+                else:
+                    if check and not self._check(entry, pixels, specs, metadata, reference):
+                        return
+                    if runner.capture is None and compiled:
+                        self._built.append(entry)  # the serving thread calls no compiled forward yet
+                    else:
+                        entry.state = LIVE
+                    return
+            self._warm_compiled(entry)
 
-    def _capture(self, entry: GraphEntry) -> bool:
-        """Warm on a side stream, then capture (both picking kernels as for a graph); a second time
-        with the uncompiled forward where the compiled one would recompile. False: disabled."""
+    def _capture(self, entry: GraphEntry, may_warm: bool = False) -> bool:
+        """Warm on a side stream, then capture (both picking kernels as for a graph); where the
+        compiled forward would compile, `_Warm` (`may_warm`: the caller compiles outside the lock
+        and comes back), else a second time with the uncompiled forward. False: disabled."""
         runner = self.runner
         io, capture = runner.io, runner.capture
         io.fill_empty(entry)
         for _ in range(2):
             try:
-                with runner.encoder.capturing(), self._no_recompile(entry):
+                with runner.encoder.capturing(), self._no_recompile(entry, may_warm):
                     capture.warm(lambda: io.forward_into(entry))
                     runner.memory.graph_bytes[entry.key] = capture.capture(entry, lambda: io.forward_into(entry))
                 return True
+            except _Warm:
+                raise
             except _Retry:
                 continue
             except Exception as exc:  # one graph lost; the packs it would serve run elsewhere
@@ -287,9 +300,9 @@ class WarmUp:
         return False
 
     @contextlib.contextmanager
-    def _no_recompile(self, entry: GraphEntry):
-        """Under the lock the compiled forward must not compile: where it would (a layout the
-        private warm run did not cover), the entry keeps the uncompiled forward (counted)."""
+    def _no_recompile(self, entry: GraphEntry, may_warm: bool = False):
+        """Under the lock the compiled forward must not compile: where it would, `_Warm` if
+        `may_warm`, else the entry keeps the uncompiled forward (counted)."""
         compiled = self.runner.forwards.compiled
         if compiled is None or entry.forward is not None:
             yield
@@ -300,6 +313,8 @@ class WarmUp:
         except RuntimeError as error:
             if "fail_on_recompile" not in str(error):
                 raise
+            if may_warm:
+                raise _Warm from error
             self.runner.stats.recompile_fallbacks += 1
             logger.warning("graph %s would recompile under the device lock; it keeps the uncompiled forward", entry.key)
             entry.forward = self.runner.forwards.plain
@@ -323,9 +338,9 @@ class WarmUp:
             runner.table.disable(entry, f"self-check error {error:.3g} > {runner.config.self_check_tolerance}")
             return False
         if runner.capture is not None:
-            # Copies in and out included: a split pays them per part.
+            # Copies in and out included: a split pays them per part. One run: a replay varies little.
             launch = lambda: runner.io.launch(entry, metadata, pixels, specs, runner.device)  # noqa: E731
-            entry.replay_ms = best_ms(launch, runner.device)
+            entry.replay_ms = best_ms(launch, runner.device, repeats=1)
         return True
 
     def _sample_pack(self, key: GraphKey):
@@ -388,3 +403,7 @@ class WarmUp:
 
 class _Retry(Exception):
     """A locked step that must run again with the uncompiled forward."""
+
+
+class _Warm(Exception):
+    """A capture that would compile: the compiled forward runs on the layout outside the lock first."""
