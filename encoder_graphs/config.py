@@ -62,8 +62,9 @@ class GraphConfig:
     memory_fraction: float = 0.8
     """Share of free GPU memory the graphs and static buffers may take."""
     compile: bool = False
-    """`torch.compile` the padded forward (dynamic shapes) before capture: fuses the tower's
-    elementwise work at the cost of compile time, spent in the background warm-up."""
+    """`torch.compile` the tower before capture (dynamic shapes; its repeated layer compiled once
+    for all layers): fuses the tower's elementwise work at the cost of compile time, spent in the
+    background warm-up."""
     compile_exact: bool = True
     """With `compile`: packs without a graph (larger than every budget, or cheaper unpadded) run
     the compiled forward on their exact layout where attention takes one launch per layer; costs

@@ -42,7 +42,7 @@ def sample_frame(buckets: Sequence[int], max_seqlen: int) -> int:
 
 def synthetic_pixels(specs: list[ItemSpec], patch_dim: int, device: torch.device, seed: int = 0) -> torch.Tensor:
     """Normalized-pixel-like values (mean 0, std 1) for the specs, drawn on `device` (seeded per
-    device type): a large pack's rows drawn on the host and copied took a tenth of a second each."""
+    device type), so that a large sample pack costs the host nothing."""
     generator = torch.Generator(device=device).manual_seed(seed)
     rows = sum(s.input_patches for s in specs)
     return torch.randn(rows, patch_dim, generator=generator, device=device)

@@ -165,3 +165,49 @@ def test_what_the_warm_up_compiles_serves_the_shared_buffers_without_recompiling
         assert runner.stats.last.graph or runner.stats.last.compiled
     assert runner.stats.recompile_fallbacks == 0
     torch._dynamo.reset()
+
+
+class RunningCapture:
+    """A stand-in for `GraphCapture` on CPU: its warm run and its "capture" run the forward (no
+    graph is kept), so the warm-up's capture path runs as on a GPU, dynamo stances included."""
+
+    started = True
+
+    def warm(self, run) -> None:
+        run()
+
+    def capture(self, entry, run) -> int:
+        run()
+        return 0
+
+    def pool_bytes(self) -> int:
+        return 0
+
+
+def test_a_capture_that_would_compile_compiles_outside_the_lock_and_keeps_the_compiled_forward(qwen3):
+    """With graphs, a layout is not compiled ahead of its capture; where the capture finds the
+    compiled forward would compile (here: dynamo's caches dropped after the compile stage), the
+    warm-up compiles it outside the lock and captures again with the compiled forward, which
+    then serves that budget's packs and agrees with transformers."""
+    encoder, reference = qwen3
+    torch._dynamo.reset()
+    compiled = encoder.compiled_forward(functools.partial(torch.compile, backend="eager", dynamic=True))
+    config = GraphConfig(budgets=(64, 256), compile_exact=False)
+    runner = EncoderRunner(encoder, config, compiled_forward=compiled)
+    runner.capture = RunningCapture()
+    compile_stage = runner.warmup._compile
+
+    def compile_then_forget(*args):
+        compile_stage(*args)
+        torch._dynamo.reset()
+
+    runner.warmup._compile = compile_then_forget
+    try:
+        runner.prepare(progress=lambda message: None)
+        runner.warm_up(progress=lambda message: None)
+        assert runner.stats.layout_compiles >= 1 and runner.stats.recompile_fallbacks == 0
+        assert all(e.live and e.forward is None for e in runner.entries.values())
+        pixels, specs = images(encoder, 11, [(256, 256)])
+        assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+    finally:
+        torch._dynamo.reset()

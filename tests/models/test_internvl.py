@@ -241,9 +241,11 @@ def test_compiled_forward_serves_every_tile_count_without_recompiling(encoder):
     """The compiled layer (dynamic shapes) traces once and serves other tile counts unchanged;
     transformers' pixel shuffle, which dynamo could not guard (`height % 0.5`), stays outside it."""
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     compiled = encoder.compiled_forward(functools.partial(torch.compile, dynamic=True, backend="aot_eager"))
+    traced = counters["stats"]["unique_graphs"]
     try:
         for tiles in (2, 3, 5):
             rows = torch.randn(tiles * encoder.tower.tile_patches, encoder.patch_dim)
@@ -251,5 +253,6 @@ def test_compiled_forward_serves_every_tile_count_without_recompiling(encoder):
             stance = torch.compiler.set_stance("fail_on_recompile") if tiles > 2 else contextlib.nullcontext()
             with torch.no_grad(), stance:
                 assert torch.equal(compiled(rows, {}, layout).tokens, encoder.forward_padded(rows, {}, layout).tokens)
+        assert counters["stats"]["unique_graphs"] > traced  # it ran compiled, once traced for every count
     finally:
         torch._dynamo.reset()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from models import from_preset
+from models import from_preset, resolve_preset
 from models.regions import compiled_regions
 from tests.helpers import FAMILY_TINY, random_image, relative_error
 
@@ -40,32 +41,42 @@ def layers(encoder) -> int:
 
 def pack(encoder, rng, sizes):
     pre = encoder.preprocessor
-    resized = [pre.resize_image(random_image(rng, h, w)) for h, w in sizes]
-    specs = [pre.spec("image", 1, *r.shape[-2:]) for r in resized]
-    return pre.pixel_values(resized, "image"), specs
+    images = [random_image(rng, h, w) for h, w in sizes]
+    specs = [pre.image_spec(*image.shape[-2:]) for image in images]
+    return pre.pixel_values([pre.resize_image(image) for image in images], "image"), specs
 
 
-@pytest.mark.parametrize("family", sorted(FAMILY_TINY))
-def test_one_trace_serves_every_layer_and_the_plain_forward_stays_uncompiled(family):
-    """`compiled_forward` gives what `forward_padded` gives, compiling at most three graphs
-        whatever the depth (the first layer takes a view, the last one may differ; then the exact
-        layout's attention, as many again); `forward_padded`, on this thread and on another one while
-        this one is in a compiled forward, never runs compiled code; a compiled forward calls compiled
-    code once per layer."""
-    encoder = from_preset(FAMILY_TINY[family], seed=1)
+def deeper(name: str, layers: int = 8):
+    """A tiny preset with more layers than a compiled forward has graphs."""
+    preset = resolve_preset(None, name)
+    key = "depth" if "depth" in preset.vision_config else "num_hidden_layers"
+    return dataclasses.replace(preset, vision_config={**preset.vision_config, key: layers})
+
+
+@pytest.mark.parametrize("preset", [*sorted(FAMILY_TINY.values()), "internvl-tiny"])
+def test_one_trace_serves_every_layer_and_the_plain_forward_stays_uncompiled(preset):
+    """On an 8-layer tower `compiled_forward` gives what `forward_padded` gives, compiling fewer
+    graphs than there are layers (the first layer's input is a view, the last layer may differ,
+    the stem and mergers are regions of their own; the exact layout's attention as many again),
+    and calls compiled code at least once per layer; `forward_padded`, on this thread and on
+    another one while this one is in a compiled forward, never runs compiled code."""
+    encoder = from_preset(deeper(preset), seed=1)
+    assert layers(encoder) == 8
     backend = CountingBackend()
     torch._dynamo.reset()
     try:
         compiled = encoder.compiled_forward(functools.partial(torch.compile, backend=backend, dynamic=True))
         rng = np.random.default_rng(3)
         pixels, specs = pack(encoder, rng, [(256, 256), (128, 192)])
-        layout = encoder.pack_layout(512, 1024, 4)
+        budget = 1 << sum(s.output_tokens for s in specs).bit_length()
+        longest = max(s.frame_patches for s in specs)
+        layout = encoder.pack_layout(budget, max(1024, longest), sum(s.segments for s in specs) + 4)
         metadata = encoder.pack_metadata(specs, layout)
-        rows = torch.zeros(512 * encoder.merge_unit, encoder.patch_dim)
+        rows = torch.zeros(budget * encoder.merge_unit, encoder.patch_dim)
         rows[: pixels.shape[0]] = pixels
         with torch.no_grad():
             out = compiled(rows, metadata, layout)
-            assert 0 < backend.graphs <= 6
+            assert 0 < backend.graphs <= 6 < layers(encoder)
             want = encoder.forward_padded(rows, metadata, layout)
             assert relative_error(out.tokens, want.tokens) < 1e-5
             exact = encoder.forward_eager(pixels, specs, forward=compiled)
