@@ -30,7 +30,7 @@ from transformers.models.internvl.video_processing_internvl import InternVLVideo
 from .internvl_tower import InternVLVisionTower
 from .layout import exact_layout, pack_rows
 from .protocol import EncoderOutput, ItemSpec, PackLayout, TensorSpec
-from .regions import region_forward
+from .regions import Region, module_region, region_forward
 from .tiling import TilePreprocessor
 
 IMAGE_TOKEN = "<IMG_CONTEXT>"
@@ -64,6 +64,7 @@ class InternVLEncoder:
         self.tower = tower.eval().requires_grad_(False)
         self.tower.vision_tower.config._attn_implementation = "sdpa"
         self.preprocessor = preprocessor
+        self._layers: Region | None = None
         if (preprocessor.patch_size, preprocessor.merge_unit) != (tower.patch_size, tower.merge_unit):
             raise ValueError(
                 f"processor patch size / merge unit {preprocessor.patch_size}/{preprocessor.merge_unit} does not "
@@ -169,7 +170,10 @@ class InternVLEncoder:
         return contextlib.nullcontext()
 
     def compiled_forward(self, compile: Callable[[Callable], Callable]) -> Callable[..., EncoderOutput]:
-        self.tower.layer.compile(compile)
+        if self._layers is None:  # the encoder layers the tower runs, one region for all of them
+            tower = self.tower
+            self._layers = module_region(tower.vision_tower.encoder.layer[: tower.layers])
+        self._layers.compile(compile)
         return region_forward(self.forward_padded)
 
     def compile_identity(self) -> dict[str, str]:

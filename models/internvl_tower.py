@@ -18,8 +18,6 @@ import torch
 from transformers import InternVLConfig
 from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector, InternVLVisionModel
 
-from .regions import Region
-
 RANDOM_EMBEDDING_STD = 0.02
 """Std of the class token and position embeddings drawn for random-weight towers."""
 
@@ -58,11 +56,6 @@ def _feature_layers(config: InternVLConfig) -> tuple[int, bool]:
     return layer % (depth + 1), False
 
 
-def run_layer(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """One encoder layer over `[tiles, tile_patches + 1, hidden]`."""
-    return layer(hidden)
-
-
 class InternVLVisionTower(torch.nn.Module):
     """transformers' InternVL vision tower and projector: patch rows in, projected tokens out."""
 
@@ -93,8 +86,6 @@ class InternVLVisionTower(torch.nn.Module):
         self.shuffled_side = int(shuffled)
         self.merge_unit = round(1 / config.downsample_ratio) ** 2
         self.layers, self.final_norm = _feature_layers(config)
-        self.layer = Region(run_layer)
-        """Each encoder layer's call (`InternVLEncoder.compiled_forward` compiles it once for all)."""
 
     @classmethod
     def _from_config(cls, config: InternVLConfig, dtype: torch.dtype) -> InternVLVisionTower:
@@ -129,7 +120,7 @@ class InternVLVisionTower(torch.nn.Module):
             patches = torch.nn.functional.pad(patches, (0, 0, 0, tiles * self.tile_patches - rows))
         hidden = self.embed(patches.view(tiles, self.tile_patches, -1))
         for layer in self.vision_tower.encoder.layer[: self.layers]:
-            hidden = self.layer(layer, hidden)
+            hidden = layer(hidden)
         if self.final_norm:
             hidden = self.vision_tower.layernorm(hidden)
         features = hidden[:, 1:].reshape(tiles, self.tile_side, self.tile_side, -1)

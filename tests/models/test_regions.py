@@ -12,7 +12,7 @@ import torch
 import torch._dynamo
 
 from models import from_preset, resolve_preset
-from models.regions import compiled_regions
+from models.regions import compiled_regions, module_region
 from tests.helpers import FAMILY_TINY, random_image, relative_error
 
 
@@ -94,3 +94,9 @@ def test_one_trace_serves_every_layer_and_the_plain_forward_stays_uncompiled(pre
             assert backend.calls - calls >= layers(encoder)  # regions: compiled code per layer
     finally:
         torch._dynamo.reset()
+
+
+def test_one_region_takes_modules_of_one_class_only():
+    """Modules of two classes would share one compiled function and guard each other out."""
+    with pytest.raises(ValueError, match="share one class"):
+        module_region([torch.nn.Linear(2, 2), torch.nn.LayerNorm(2)])
