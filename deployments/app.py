@@ -11,47 +11,75 @@ LLM deployment fed with the encoders' embeddings (E/PD): `LLMReplica` (transform
 with `llm.engine: vllm`, `VLLMReplica`. Each deployment's Serve options (replicas,
 `ray_actor_options`, autoscaling) can be overridden in the YAML's `deployments:` section by
 these names.
+
+Serve builds an application in a task of its own before any replica starts, so the build
+is on the path to the first answer: it names the deployments' classes by import path (each
+replica imports its own) and imports neither torch nor transformers for a preset.
 """
 
 from __future__ import annotations
 
+from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
+from ray.serve.deployment import Deployment
 from ray.serve.schema import LoggingConfig
 
 from encoder_graphs.config import Ladder, budget_ladder
-from models import load_preprocessor
+from models.presets import resolve_preset
 
 from .config import AppConfig
-from .encoder import EncoderReplica
-from .llm import LLMReplica
-from .router import EncoderRouter
-from .routing import FewestQueuedTokensRouter
 from .validation import validate
-from .vllm_engine import VLLMReplica
 
 ROUTING_STATS_PERIOD_S = 1.0
 
 
-def encoder_deployment(config: AppConfig, logging_config: LoggingConfig):
+def deployment(import_path: str, **options) -> Deployment:
+    """A deployment of the class at `import_path` (`module.Class`), named after the class."""
+    return serve.deployment(name=import_path.rpartition(".")[2], **options)(import_path)
+
+
+def encoder_deployment(config: AppConfig, logging_config: LoggingConfig) -> Deployment:
     """The encoder replica deployment with defaults for its device (one GPU each on CUDA)."""
-    resources = {"num_cpus": 1, "num_gpus": 1 if config.model.device == "cuda" else 0}
-    return EncoderReplica.options(
-        ray_actor_options=resources,
+    return deployment(
+        "deployments.encoder.EncoderReplica",
+        max_ongoing_requests=8,
+        health_check_period_s=10,
+        ray_actor_options={"num_cpus": 1, "num_gpus": 1 if config.model.device == "cuda" else 0},
         logging_config=logging_config,
         request_router_config=RequestRouterConfig(
-            request_router_class=FewestQueuedTokensRouter,
+            request_router_class="deployments.routing.FewestQueuedTokensRouter",
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
         ),
     )
 
 
+def llm_deployment(config: AppConfig, logging_config: LoggingConfig) -> Deployment:
+    """The E/PD language model: transformers' (`LLMReplica`) or vLLM's engine (`VLLMReplica`)."""
+    vllm = config.llm.engine == "vllm"
+    return deployment(
+        "deployments.vllm_engine.VLLMReplica" if vllm else "deployments.llm.LLMReplica",
+        max_ongoing_requests=64 if vllm else 16,
+        ray_actor_options={"num_cpus": 1, "num_gpus": 1 if config.llm.device == "cuda" else 0},
+        logging_config=logging_config,
+    )
+
+
+def smallest_item_tokens(config: AppConfig) -> int:
+    """Output tokens of the model's smallest item: a preset's from its numbers; a checkpoint's
+    from its processor (which imports transformers)."""
+    model = config.model
+    if model.path is None:
+        return resolve_preset(model.family, model.preset or "tiny").min_item_tokens
+    from models import load_preprocessor
+
+    return load_preprocessor(None, model.family, model.path)[1].min_item_tokens
+
+
 def deployment_ladder(config: AppConfig) -> Ladder:
     """The budget ladder of the deployment, computed once here and handed to the router and
-    every encoder replica (from the processor's smallest item; no weights loaded)."""
-    model = config.model
-    _, preprocessor = load_preprocessor(model.preset, model.family, model.path)
-    return budget_ladder(config.graphs, preprocessor.min_item_tokens)
+    every encoder replica."""
+    return budget_ladder(config.graphs, smallest_item_tokens(config))
 
 
 def build_app(args: dict) -> Application:
@@ -60,9 +88,6 @@ def build_app(args: dict) -> Application:
     ladder = deployment_ladder(config)
     logging_config = LoggingConfig(enable_access_log=config.router.log_requests)
     encoder = encoder_deployment(config, logging_config).bind(config, ladder)
-    llm = None
-    if config.llm is not None:
-        resources = {"num_cpus": 1, "num_gpus": 1 if config.llm.device == "cuda" else 0}
-        replica = VLLMReplica if config.llm.engine == "vllm" else LLMReplica
-        llm = replica.options(ray_actor_options=resources, logging_config=logging_config).bind(config)
-    return EncoderRouter.options(logging_config=logging_config).bind(config, encoder, llm, ladder)
+    llm = None if config.llm is None else llm_deployment(config, logging_config).bind(config)
+    router = deployment("deployments.router.EncoderRouter", max_ongoing_requests=2048, logging_config=logging_config)
+    return router.bind(config, encoder, llm, ladder)

@@ -14,7 +14,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from encoder_graphs.config import GraphConfig
-from models import attention
 from models.presets import PRESETS
 
 MiB = 1 << 20
@@ -39,7 +38,7 @@ class ModelSettings(_Strict):
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where encoder replicas run the tower.")
     attention: Literal["auto", "cudnn", "flash", "triton"] = Field(
-        attention.DEFAULT_BACKEND,
+        "auto",
         description="CUDA varlen attention kernel: cudnn (cuDNN's, through nvidia-cudnn-frontend, the "
         "`cudnn` extra; Hopper or newer; FlashAttention-2 for short segments), flash (FlashAttention-2 "
         "only), triton (ours, a head-wide tile: models/triton_attention.py) or auto (triton on Hopper or "

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import ray
 import torch
-from ray import serve
 
 from encoder_graphs.config import Ladder
 from encoder_graphs.packing import PackItem, pack_items
@@ -135,7 +134,6 @@ def load_encoder(config: AppConfig):
     return encoder
 
 
-@serve.deployment(max_ongoing_requests=8, health_check_period_s=10)
 class EncoderReplica:
     def __init__(self, config: AppConfig, ladder: Ladder):
         start = time.perf_counter()

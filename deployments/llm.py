@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from ray import serve
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
@@ -147,7 +146,6 @@ async def fetch_embeddings(refs: list, totals: dict) -> tuple[list[ItemOutput], 
     return items, handoff
 
 
-@serve.deployment(max_ongoing_requests=16)
 class LLMReplica:
     def __init__(self, config: AppConfig):
         settings = config.llm

@@ -74,7 +74,6 @@ DESCRIBE_TIMEOUT_S = 2.0
 """How long `/v1/models/{id}` waits for an encoder replica's own description."""
 
 
-@serve.deployment(max_ongoing_requests=2048)
 @serve.ingress(api)
 class EncoderRouter:
     def __init__(self, config: AppConfig, encoder: DeploymentHandle, llm: DeploymentHandle | None, ladder: Ladder):

@@ -25,7 +25,6 @@ from contextlib import aclosing
 from typing import Any
 
 import torch
-from ray import serve
 from transformers import AutoTokenizer
 
 from models.protocol import ItemOutput
@@ -145,7 +144,6 @@ def engine_args(settings: LLMSettings, max_items_per_request: int):
     )
 
 
-@serve.deployment(max_ongoing_requests=64)
 class VLLMReplica:
     def __init__(self, config: AppConfig):
         from vllm import AsyncLLMEngine

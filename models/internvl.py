@@ -29,6 +29,7 @@ from transformers.models.internvl.video_processing_internvl import InternVLVideo
 
 from .internvl_tower import InternVLVisionTower
 from .layout import exact_layout, pack_rows
+from .presets import INTERNVL_DOWNSAMPLE_RATIO
 from .protocol import EncoderOutput, ItemSpec, PackLayout, TensorSpec
 from .regions import Region, module_region, region_forward
 from .tiling import TilePreprocessor
@@ -91,6 +92,7 @@ class InternVLEncoder:
             text_config=preset.text_config,
             image_token_id=preset.special_tokens[IMAGE_TOKEN],
             tie_word_embeddings=preset.tie_word_embeddings,
+            downsample_ratio=INTERNVL_DOWNSAMPLE_RATIO,
         )
 
     @classmethod

@@ -59,6 +59,8 @@ INTERNVL_IMAGE_PROCESSOR = {
     "image_mean": IMAGENET_MEAN,
     "image_std": IMAGENET_STD,
 }
+INTERNVL_DOWNSAMPLE_RATIO = 0.5
+"""Pixel shuffle before the projector: 2 x 2 patches make one output token."""
 INTERNVL_VIDEO_PROCESSOR = {
     "size": {"height": 448, "width": 448},
     "image_mean": IMAGENET_MEAN,
@@ -155,6 +157,16 @@ class Preset:
     """Ids of the tokenizer's special tokens (the tiny vocabulary's, or the released one's)."""
     tie_word_embeddings: bool = False
 
+    @property
+    def min_item_tokens(self) -> int:
+        """Output tokens of the smallest item its processor produces, from the preset's own numbers:
+        the app builder needs it for the budget ladder and imports no transformers."""
+        if self.family == "internvl":
+            tile, patch = self.image_processor["size"]["height"], self.vision_config["patch_size"][0]
+            return (tile // patch) ** 2 // round(1 / INTERNVL_DOWNSAMPLE_RATIO) ** 2
+        size, patch, merge = (self.image_processor[key] for key in ("size", "patch_size", "merge_size"))
+        return max(1, size["shortest_edge"] // patch**2 // merge**2)
+
 
 def _qwen2_vl(name: str, **vision: Any) -> Preset:
     return Preset(name, "qwen2-vl", vision, QWEN2_IMAGE_PROCESSOR, QWEN2_VIDEO_PROCESSOR)
@@ -219,6 +231,7 @@ def _internvl3_text(hidden: int, intermediate: int, layers: int, heads: int, kv_
 # `-hf` checkpoints; transformers' InternVLVisionConfig defaults fill the rest: 448 px, patch 14,
 # layer norm, no qk norm, layer scale, mean pooling, i.e. no final norm).
 _INTERNVIT_300M = dict(
+    patch_size=[14, 14],
     hidden_size=1024,
     intermediate_size=4096,
     num_hidden_layers=24,

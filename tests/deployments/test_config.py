@@ -127,7 +127,7 @@ def test_every_shipped_config_validates_and_names_our_deployments():
     from deployments.router import EncoderRouter
     from deployments.vllm_engine import VLLMReplica
 
-    ours = {d.name for d in (EncoderReplica, EncoderRouter, LLMReplica, VLLMReplica)}
+    ours = {d.__name__ for d in (EncoderReplica, EncoderRouter, LLMReplica, VLLMReplica)}
     paths = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
     assert len(paths) >= 6
     for path in paths:
@@ -137,3 +137,31 @@ def test_every_shipped_config_validates_and_names_our_deployments():
             AppConfig.model_validate(app.get("args", {}))
             named = {d["name"] for d in app.get("deployments", [])}
             assert named <= ours, f"{path.name}: {sorted(named - ours)} are not deployments of this package"
+
+
+def test_the_application_build_imports_no_torch_and_binds_every_deployment():
+    """Serve builds the app before any replica starts: the build must not pay for torch or
+    transformers (seconds on a GPU host), and its import-path deployments must name real classes."""
+    import importlib
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, yaml; from deployments.app import build_app\n"
+        "for path in ('configs/local.yaml', 'configs/epd.yaml'):\n"
+        "    build_app(yaml.safe_load(open(path))['applications'][0]['args'])\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'PIL'}))\n"
+    )
+    root = __import__("pathlib").Path(__file__).parents[2]
+    done = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+    from deployments.app import build_app
+
+    app = build_app(yaml.safe_load((root / "configs/epd.yaml").read_text())["applications"][0]["args"])
+    bound = [app._bound_deployment]
+    bound += [a._bound_deployment for a in app._bound_deployment.init_args if hasattr(a, "_bound_deployment")]
+    for deployment in bound:
+        module, _, name = deployment.func_or_class.rpartition(".")
+        assert name == deployment.name and isinstance(getattr(importlib.import_module(module), name), type)
+    assert {d.name for d in bound} == {"EncoderRouter", "EncoderReplica", "LLMReplica"}

@@ -300,7 +300,7 @@ def test_models_does_not_wait_on_a_saturated_encoder(url, serve_harness):
         class describe:  # noqa: N801 - the handle's method name
             remote = staticmethod(Queued)
 
-    router = object.__new__(EncoderRouter.func_or_class)
+    router = object.__new__(EncoderRouter)
     router._described = None
 
     async def ask() -> tuple[dict, float]:

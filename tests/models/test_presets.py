@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import family_class, vlm_config
+from models import family_class, load_preprocessor, vlm_config
 from models.presets import PRESETS
 from models.tiny_checkpoint import build_preset_tokenizer, build_tokenizer
 
@@ -73,3 +73,13 @@ def test_internvl_projector_feeds_the_language_model_and_the_tokenizer_matches_t
     with torch.device("meta"):
         model = family_class(preset.family).vlm_class(config)
     assert model.model.multi_modal_projector.linear_2.out_features == config.text_config.hidden_size
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_presets_smallest_item_is_what_its_processor_makes(name):
+    """The app builder sizes the budget ladder from the preset's numbers alone (no transformers);
+    they must agree with the processor the replicas load, and with a real smallest image."""
+    preset = PRESETS[name]
+    _, preprocessor = load_preprocessor(name, preset.family)
+    assert preset.min_item_tokens == preprocessor.min_item_tokens
+    assert preprocessor.image_spec(32, 32).output_tokens == preset.min_item_tokens
