@@ -1,4 +1,5 @@
-"""OpenAI-compatible chat completions: request schema, message conversion, response shapes.
+"""OpenAI-compatible chat completions: message conversion, generation, response shapes (the
+request schema is in `schemas.py`).
 
 Images come as `image_url` parts with `data:` URLs (fetching remote URLs is off: no SSRF).
 Messages are converted to transformers' chat-template form with `{"type": "image"}`
@@ -13,66 +14,17 @@ import json
 import logging
 import time
 import uuid
-from typing import Literal, Union
 
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import RequestError
 from .media import RawItem
+from .schemas import ChatMessage, ChatRequest, ImagePart, TextPart
 
 logger = logging.getLogger("ray.serve")
 
-SEED_RANGE = (-(2**63), 2**64 - 1)
-"""What the generator's seed accepts."""
 CHARS_PER_TOKEN_BOUND = 32
 """A prompt longer than this many characters per allowed token is refused before tokenizing."""
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ImageURL(_Body):
-    url: str = Field(description="A data: URL (data:image/png;base64,...). Remote URLs are refused.")
-    detail: str | None = Field(None, description="Accepted and ignored.")
-
-
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
-class ImagePart(_Body):
-    type: Literal["image_url"]
-    image_url: ImageURL
-
-
-ContentPart = Union[TextPart, ImagePart]
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[ContentPart]
-    name: str | None = None
-
-
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class ChatRequest(_Body):
-    model: str | None = Field(None, description="One of /v1/models' ids (or omitted).")
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, gt=0)
-    max_completion_tokens: int | None = Field(None, gt=0)
-    temperature: float = Field(1.0, ge=0, le=2, description="0: greedy.")
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="Only 1.")
-    user: str | None = Field(None, description="Accepted and ignored.")
 
 
 RESERVED_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<IMG_CONTEXT>")
@@ -120,16 +72,6 @@ def prompt_chars(messages: list[dict]) -> int:
     )
 
 
-def parse_request(body: dict) -> ChatRequest:
-    """A handle call's arguments as a request (400 naming the first invalid field)."""
-    try:
-        return ChatRequest.model_validate({**body, "stream": False})
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise RequestError(400, f"{where}: {first['msg']}", param=where) from None
-
-
 def _relabel(error: RequestError, places: list[str]) -> RequestError:
     """An image's error as the chat request names it (`messages[i].content[j]`, not `items[k]`)."""
     if error.param and error.param.startswith("items["):
@@ -140,14 +82,15 @@ def _relabel(error: RequestError, places: list[str]) -> RequestError:
     return error
 
 
-async def complete(router, body: ChatRequest):
-    """`/v1/chat/completions` (and the handle's `chat`): check, encode the images, generate."""
-    request = await _generate_request(router, body)
+async def complete(service, body: ChatRequest):
+    """`/v1/chat/completions` (and the handle's `chat`) for the router's `EncodeService`: check,
+    encode the images, generate."""
+    request = await _generate_request(service, body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(router, request, include_usage), media_type="text/event-stream")
-    result = await result_within(router.llm.generate.remote(request), router.config.router.request_timeout_s)
-    return completion(router.config.llm.model_id, result)
+        return StreamingResponse(_stream(service, request, include_usage), media_type="text/event-stream")
+    result = await result_within(service.llm.generate.remote(request), service.config.router.request_timeout_s)
+    return completion(service.config.llm.model_id, result)
 
 
 async def result_within(response, timeout_s: float):
@@ -160,11 +103,11 @@ async def result_within(response, timeout_s: float):
         raise RequestError(504, f"not done within request_timeout_s={timeout_s}", error_type="timeout_error") from None
 
 
-async def _generate_request(router, body: ChatRequest):
+async def _generate_request(service, body: ChatRequest):
     from .llm import GenerateRequest
 
-    config = router.config
-    if router.llm is None:
+    config = service.config
+    if service.llm is None:
         raise RequestError(404, "this deployment has no LLM (set `llm` in the app config)", error_type="not_found")
     served = {config.model.model_id, config.llm.model_id}
     if body.model is not None and body.model not in served:
@@ -187,7 +130,7 @@ async def _generate_request(router, body: ChatRequest):
             "messages",
         )
     try:
-        decoded, encoded = await router.encode_raw([RawItem(i, "image", url) for i, url in enumerate(urls)], True)
+        decoded, encoded = await service.encode_raw([RawItem(i, "image", url) for i, url in enumerate(urls)], True)
     except RequestError as error:
         raise _relabel(error, places) from None
     return GenerateRequest(
@@ -201,13 +144,13 @@ async def _generate_request(router, body: ChatRequest):
     )
 
 
-async def _stream(router, request, include_usage: bool):
+async def _stream(service, request, include_usage: bool):
     """Server-sent events; a failure mid-stream ends with an error event and `[DONE]`."""
-    model = router.config.llm.model_id
+    model = service.config.llm.model_id
     chunk_id = f"chatcmpl-{uuid.uuid4().hex}"
     try:
         yield sse_chunk(chunk_id, model, {"role": "assistant", "content": ""})
-        async for piece in router.llm.options(stream=True).generate_stream.remote(request):
+        async for piece in service.llm.options(stream=True).generate_stream.remote(request):
             if piece.get("done"):
                 yield sse_chunk(chunk_id, model, {}, piece["finish_reason"])
                 if include_usage:

@@ -30,9 +30,8 @@ from dataclasses import dataclass, field
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 
-from .decode_worker import WorkerSetup
-from .errors import item_error
-from .scheduler import Overloaded
+from .config import Limits, ModelSettings
+from .errors import Overloaded, item_error
 
 logger = logging.getLogger("ray.serve")
 
@@ -52,30 +51,49 @@ class WorkerTimeout(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What the template needs to build the workers' state (pickled into its process)."""
+
+    model: ModelSettings
+    limits: Limits
+
+
 class Template:
     """The process the workers are forked from (`python -m deployments.decode_worker <fd>`), with
     its control socket: the setup goes in once, then pipe ends go in (SCM_RIGHTS) and pids come
     out. A plain subprocess, not multiprocessing, which would re-import the parent's main module
     (a Ray worker's) in the child."""
 
-    def __init__(self, setup: WorkerSetup, start_timeout_s: float):
+    def __init__(self, process: subprocess.Popen, sock: socket.socket):
+        self.process = process
+        self.sock = sock
+        self.control = Connection(os.dup(sock.fileno()))
+        self._lock = threading.Lock()
+
+    @classmethod
+    def spawn(cls) -> Template:
+        """Start the process without waiting: it imports the libraries, then waits for its setup
+        (`start`), so the caller can do its own imports meanwhile."""
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
-        self.process = subprocess.Popen(
+        process = subprocess.Popen(
             [sys.executable, "-m", "deployments.decode_worker", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
             env=env,
         )
         theirs.close()
-        self.sock = ours
-        self.control = Connection(os.dup(ours.fileno()))
-        self._lock = threading.Lock()
-        self.control.send(setup)
-        if not self.control.poll(start_timeout_s):
-            self.close()
-            raise RuntimeError(f"decode worker template did not start within {start_timeout_s} s")
-        ok, detail = self.control.recv()
+        return cls(process, ours)
+
+    def start(self, setup: WorkerSetup, timeout_s: float) -> None:
+        """Send the setup and wait until the template has built its state; closed if it fails."""
+        try:
+            self.control.send(setup)
+            answered = self.control.poll(timeout_s)
+            ok, detail = self.control.recv() if answered else (False, f"no answer within {timeout_s} s")
+        except (EOFError, OSError):  # it exited first; its error is in the log
+            ok, detail = False, "it exited before answering"
         if not ok:
             self.close()
             raise RuntimeError(f"decode worker template failed to start: {detail}")
@@ -178,9 +196,11 @@ class DecodePool:
         self._template: Template | None = None
         self._template_lock = threading.Lock()
 
-    def start(self) -> None:
-        """Start the template, then fork every worker (blocking; the router's constructor calls it)."""
-        self._template = Template(self.setup, self.start_timeout_s)
+    def start(self, template: Template | None = None) -> None:
+        """Start the template (`template`: one spawned already), then fork every worker (blocking;
+        the router's constructor calls it)."""
+        self._template = template or Template.spawn()
+        self._template.start(self.setup, self.start_timeout_s)
         lanes = [False] * (self.size - 1) + [True]
         self._idle.extend(self._new_worker(small_only) for small_only in lanes)
         self._alive = len(self._idle)
@@ -190,7 +210,8 @@ class DecodePool:
             if not self._template.alive:  # killed or crashed: the workers it forked run on
                 logger.warning("the decode worker template exited; starting a new one")
                 self._template.close()
-                self._template = Template(self.setup, self.start_timeout_s)
+                self._template = Template.spawn()
+                self._template.start(self.setup, self.start_timeout_s)
                 self.stats.template_restarts += 1
             template = self._template
         return Worker(template, self.start_timeout_s, small_only)

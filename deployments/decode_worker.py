@@ -26,18 +26,11 @@ from models.processing import VisionPreprocessor
 
 from . import media
 from .cache import content_key
-from .config import Limits, ModelSettings
+from .config import Limits
+from .decode_pool import WorkerSetup
 from .errors import RequestError, item_error
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerSetup:
-    """What a worker needs to build its state (pickled into the new process)."""
-
-    model: ModelSettings
-    limits: Limits
 
 
 @dataclass
@@ -105,7 +98,11 @@ def template(control_fd: int) -> None:
     sock = socket.socket(fileno=control_fd)
     control = Connection(os.dup(control_fd))
     try:
-        state = build_state(control.recv())
+        setup = control.recv()
+    except (EOFError, OSError):  # the router went away before sending it
+        return
+    try:
+        state = build_state(setup)
     except Exception as error:  # the router logs it and fails its start
         control.send((False, repr(error)))
         return

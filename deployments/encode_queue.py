@@ -21,11 +21,11 @@ from ray.serve.handle import DeploymentHandle
 from .cache import EmbeddingCache, InflightTable
 from .config import AppConfig
 from .encoder import PackRequest
-from .errors import RequestError, overloaded
+from .errors import Overloaded, RequestError, overloaded
 from .fleet import EncoderFleet
 from .media import DecodedItem
 from .metrics import RouterMetrics
-from .scheduler import Overloaded, PackScheduler, QueuedItem
+from .scheduler import PackScheduler, QueuedItem
 
 logger = logging.getLogger("ray.serve")
 

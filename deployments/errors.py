@@ -28,6 +28,10 @@ class RequestError(Exception):
         return (type(self), (self.status, self.message, self.param, self.error_type, self.headers))
 
 
+class Overloaded(Exception):
+    """More work than a queue takes (queued tokens, decode jobs); the router answers 503."""
+
+
 def item_error(index: int, status: int, message: str) -> RequestError:
     """An error about `items[index]`."""
     return RequestError(status, f"items[{index}]: {message}", param=f"items[{index}]")

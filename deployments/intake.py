@@ -16,8 +16,7 @@ from PIL import Image
 
 from . import media
 from .config import AppConfig
-from .decode_pool import SMALL_BYTES, SMALL_PIXELS, DecodePool
-from .decode_worker import WorkerSetup
+from .decode_pool import SMALL_BYTES, SMALL_PIXELS, DecodePool, Template, WorkerSetup
 from .errors import RequestError, item_error
 from .schemas import ImageItem
 
@@ -74,8 +73,8 @@ class Intake:
             router.max_decode_queue,
         )
 
-    def start(self) -> None:
-        self.pool.start()
+    def start(self, template: Template | None = None) -> None:
+        self.pool.start(template)
 
     def check_item_count(self, count: int) -> None:
         limit = self.limits.max_items_per_request

@@ -5,6 +5,10 @@ request items -> intake (decode pool: inspect, check the request, decode) -> enc
 the references (callers read the tensors from the encoder replicas); HTTP reads them and
 serializes (safetensors or JSON) off the event loop. Client errors are `RequestError`s with
 a 4xx and a body naming the item and the limit; anything else is logged and becomes a 500.
+
+This module declares the routes and imports neither torch nor transformers; the path itself is
+`service.EncodeService`, which the constructor imports after spawning the decode pool's template,
+so that both processes import those libraries at the same time.
 """
 
 import asyncio
@@ -12,29 +16,27 @@ import json
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import psutil
 import ray
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from encoder_graphs.config import Ladder
-from models import load_preprocessor
 
-from . import chat as chat_api
 from .config import AppConfig
-from .encode_queue import EncodeQueue, ResultsLost
+from .decode_pool import Template
 from .errors import RequestError, overloaded
 from .fleet import EncoderFleet
 from .http import create_api, http_ingress
-from .intake import Intake, raw_from_http, raw_from_python
 from .metrics import RouterMetrics, refresh_gauges
-from .ref_hold import ReferenceHold
-from .responses import encode_response_json, json_body, safetensors_body
-from .results import EncodeResult, ItemRef
 from .routing import replica_reports
-from .schemas import EncodeRequest
+from .schemas import ChatRequest, EncodeRequest, parse_chat_request
+
+if TYPE_CHECKING:
+    from .results import ItemRef
 
 logger = logging.getLogger("ray.serve")
 
@@ -62,14 +64,6 @@ def attach_hint(app_name: str) -> str:
     return f"{env}RAY_ADDRESS={address} python, then ray.init(); serve.get_app_handle({app_name!r})"
 
 
-def server_timing(seconds: dict[str, float]) -> str:
-    """A `Server-Timing` header (W3C): where the request's time went in the service, in ms.
-    `encode` is from the decoded items' queueing to their results (the router's queue, the trip
-    to the replica and back); `replica_queue` and `forward` are those of the slowest item's pack;
-    `serialize` is a `float` JSON body's, or a streamed body's first part only (the rest follows)."""
-    return ", ".join(f"{name};dur={value * 1e3:.2f}" for name, value in seconds.items())
-
-
 DESCRIBE_TIMEOUT_S = 2.0
 """How long `/v1/models/{id}` waits for an encoder replica's own description."""
 
@@ -78,66 +72,38 @@ DESCRIBE_TIMEOUT_S = 2.0
 class EncoderRouter:
     def __init__(self, config: AppConfig, encoder: DeploymentHandle, llm: DeploymentHandle | None, ladder: Ladder):
         start = time.perf_counter()
-        self.config = config
-        self.encoder = encoder
-        self.llm = llm
-        self.metrics = RouterMetrics()
-        self.rejected: dict[str, int] = {}
-        self.embedding_bytes_received = 0
-        """Embedding bytes this router read from the object store (HTTP responses only)."""
-        self.encoded_again = 0
-        """HTTP requests whose results were lost with their replica after encoding, encoded again."""
-        self.handed_out = ReferenceHold(config.router.handle_hold_s)
-        self.family, _ = load_preprocessor(config.model.preset, config.model.family, config.model.path)
-        self.ladder = ladder.budgets  # the app builder's, as every encoder replica's
-        self.fleet = EncoderFleet(serve.get_replica_context().app_name)
-        self.fleet.start()
-        self.queue = EncodeQueue(
-            config, ladder.budgets, ladder.max_items, ladder.max_segments, encoder, self.fleet, self.metrics
-        )
-        self.intake = Intake(config)
-        self.intake.start()
+        template = Template.spawn()  # first: it imports torch and transformers while this process does
+        try:
+            from .service import EncodeService  # torch, transformers: the whole encode path
+
+            self.config = config
+            self.encoder = encoder
+            self.llm = llm
+            self.metrics = RouterMetrics()
+            self.rejected: dict[str, int] = {}
+            self.ladder = ladder.budgets  # the app builder's, as every encoder replica's
+            self.fleet = EncoderFleet(serve.get_replica_context().app_name)
+            self.fleet.start()
+            self.service = EncodeService(config, ladder, encoder, llm, self.fleet, self.metrics)
+            self.service.start(template)  # sends the template its setup, waits for it, forks the workers
+        except BaseException:
+            template.close()  # no decode process outlives a router that failed to start
+            raise
         self._described: tuple[float, dict] | None = None
-        self._stop_gauges = refresh_gauges(self._set_gauges)
+        self._stop_gauges = refresh_gauges(self.service.set_gauges)
         api.state.router = self  # the serving app's handlers reach the router through this
-        self._http_views = http_ingress() != "serve-proxy"  # our own server writes views of the results
         set_proxy_access_log(config.router.log_requests)
         logger.info(
             "router ready in %.1f s (%d decode workers + 1 for small images, HTTP through %s). Attach from Python: %s",
             time.perf_counter() - start,
-            self.intake.pool.size - 1,
+            self.service.intake.pool.size - 1,
             http_ingress(),
             attach_hint(serve.get_replica_context().app_name),
         )
 
-    def _set_gauges(self) -> None:
-        self.metrics.queued_tokens.set(self.queue.scheduler.queued_tokens)
-        self.metrics.cache_bytes.set(self.queue.cache.bytes)
-
     def __del__(self):
         self.fleet.stop()
-        self.intake.close()
-
-    # ---- the shared path ----
-
-    async def encode_raw(self, raws, use_cache: bool, timing: dict[str, float] | None = None, read_here: bool = False):
-        """Decode and encode request items: (decoded items, references to their results). `timing`
-        gets the seconds each stage took; `read_here`: this router reads the results (HTTP), and
-        encodes again what it finds lost, so cache hits need no check first."""
-        start = time.perf_counter()
-        decoded = await self.intake.decode(raws, self.queue.check_room, "" if use_cache else None)
-        decoded_at = time.perf_counter()
-        self.metrics.preprocess_seconds.observe(decoded_at - start)
-        encoded = await self.queue.encode(decoded, check_hits=not read_here)
-        if timing is not None:
-            timing["decode"] = decoded_at - start
-            timing["encode"] = time.perf_counter() - decoded_at
-            slowest = max(encoded, key=lambda e: e.queue_s + e.forward_s, default=None)
-            timing["replica_queue"] = 0.0 if slowest is None else slowest.queue_s
-            timing["forward"] = 0.0 if slowest is None else slowest.forward_s
-        if decoded:
-            self.metrics.vision_tokens.inc(sum(d.spec.output_tokens for d in decoded))
-        return decoded, encoded
+        self.service.close()
 
     # ---- HTTP ----
 
@@ -147,44 +113,12 @@ class EncoderRouter:
             raise RequestError(
                 404, f"model {body.model!r} is not served here; see /v1/models", "model", "invalid_request_error"
             )
-        self.intake.check_item_count(len(body.items))
-        raws = [raw_from_http(i, item) for i, item in enumerate(body.items)]
-        timing: dict[str, float] = {}
-        decoded, encoded = await self.encode_raw(raws, body.cache, timing, read_here=True)
-        fetch_start = time.perf_counter()
-        try:
-            outputs = await self.queue.fetch(encoded)
-        except ResultsLost:  # the replica died after encoding: the decoded items are still here
-            self.encoded_again += 1
-            encoded = await self.queue.encode(decoded)
-            outputs = await self.queue.fetch(encoded)
-        timing["fetch"] = time.perf_counter() - fetch_start
-        self.embedding_bytes_received += sum(e.nbytes for e in encoded)
-        results = [
-            EncodeResult(i, d.spec.modality, d.spec.grid_thw, d.spec.output_tokens, e.ref, _output=output)
-            for i, (d, e, output) in enumerate(zip(decoded, encoded, outputs))
-        ]
-        model = self.config.model.model_id
-        serialize_start = time.perf_counter()
-        if body.encoding_format != "float":  # streamed: `serialize` covers what comes before the tensors
-            binary = body.encoding_format == "safetensors"
-            if binary:
-                length, chunks = safetensors_body(model, results, body.dtype, views=self._http_views)
-            else:
-                length, chunks = json_body(model, results)
-            timing["serialize"] = time.perf_counter() - serialize_start
-            headers = {"Server-Timing": server_timing(timing), "Content-Length": str(length)}
-            media_type = "application/octet-stream" if binary else "application/json"
-            return StreamingResponse(chunks, media_type=media_type, headers=headers)
-        content = await asyncio.to_thread(encode_response_json, model, results, body.encoding_format)
-        timing["serialize"] = time.perf_counter() - serialize_start
-        headers = {"Server-Timing": server_timing(timing)}
-        return Response(content=content, media_type="application/json", headers=headers)
+        return await self.service.encode_http(body)
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
         """200 when a request can be served now; else 503 with the reason and Retry-After."""
-        if not self.fleet.ready or self.intake.pool.alive == 0:
+        if not self.fleet.ready or self.service.decode_workers_alive == 0:
             reason = self.fleet.why_not_ready() if not self.fleet.ready else "no decode worker is running"
             return JSONResponse(
                 overloaded(reason, self.config.router.retry_after_s).body(),
@@ -208,7 +142,7 @@ class EncoderRouter:
         detail = {}
         if model_id == self.config.model.model_id:
             detail["encoder"] = {
-                "family": self.family,
+                "family": self.service.family,
                 "budgets": list(self.ladder),
                 "replicas": self.fleet.states,
                 # every replica's warm-up as its last routing report gave it (the `replica` below is one)
@@ -239,34 +173,25 @@ class EncoderRouter:
         return described
 
     @api.post("/v1/chat/completions")
-    async def chat_http(self, body: chat_api.ChatRequest):
-        return await chat_api.complete(self, body)
+    async def chat_http(self, body: ChatRequest):
+        return await self.service.chat(body)
 
     # ---- Python handle ----
 
-    async def encode(self, items: list, cache: bool = True, as_refs: bool = False) -> list[ItemRef]:
+    async def encode(self, items: list, cache: bool = True, as_refs: bool = False) -> "list[ItemRef]":
         """Encode PIL images, encoded image bytes, or {"type": "video", "frames": [...] | "video": bytes}
         dicts. Returns `EncodeResult`s (tensors read from the encoder replica on first use) or, with
         `as_refs`, `ItemRef`s (metadata and the reference only)."""
-        timing: dict[str, float] = {}
         try:
-            raws = [raw_from_python(index, item) for index, item in enumerate(items)]
-            decoded, encoded = await self.encode_raw(raws, cache, timing)
+            return await self.service.encode(items, cache, as_refs)
         except RequestError as error:  # over HTTP the exception handler counts it
             self.count_rejection(error.status)
             raise
-        kind = ItemRef if as_refs else EncodeResult
-        timing_ms = {stage: round(seconds * 1e3, 3) for stage, seconds in timing.items()}
-        self.handed_out.hold([e.ref for e in encoded])
-        return [
-            kind(i, d.spec.modality, d.spec.grid_thw, d.spec.output_tokens, e.ref, timing_ms=timing_ms)
-            for i, (d, e) in enumerate(zip(decoded, encoded))
-        ]
 
     async def chat(self, messages: list[dict], **params) -> dict:
         """The chat endpoint through the Python handle: OpenAI-shaped messages in, a chat.completion out."""
         try:
-            return await chat_api.complete(self, chat_api.parse_request({"messages": messages, **params}))
+            return await self.service.chat(parse_chat_request({"messages": messages, **params}))
         except RequestError as error:
             self.count_rejection(error.status)
             raise
@@ -288,12 +213,8 @@ class EncoderRouter:
 
     def router_stats(self) -> dict:
         return {
-            **self.queue.stats(),
+            **self.service.stats(),
             "rejected": dict(self.rejected),
-            "embedding_bytes_received": self.embedding_bytes_received,
-            "encoded_again": self.encoded_again,
-            "handle_refs_held": len(self.handed_out),
-            "decode_pool": self.intake.describe(),
             "http_ingress": http_ingress(),
             "pid": os.getpid(),
             "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),

@@ -25,11 +25,9 @@ import torch
 from encoder_graphs.packing import PackItem, pack_items
 from models.protocol import ItemOutput, ItemSpec
 
+from .errors import Overloaded  # its home is light: the decode pool raises it too
+
 logger = logging.getLogger("ray.serve")
-
-
-class Overloaded(Exception):
-    """Accepting the items would exceed the queued-token bound."""
 
 
 @dataclass(eq=False)

@@ -1,10 +1,13 @@
-"""HTTP request and response bodies of `/v1/encode` (pydantic; they make the OpenAPI docs)."""
+"""HTTP request and response bodies of `/v1/encode` and the request of `/v1/chat/completions`
+(pydantic; they make the OpenAPI docs). Light: the router declares its routes with them."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import RequestError
 
 
 class _Body(BaseModel):
@@ -68,3 +71,61 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+# ---- /v1/chat/completions ----
+
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""What the generator's seed accepts."""
+
+
+class ImageURL(_Body):
+    url: str = Field(description="A data: URL (data:image/png;base64,...). Remote URLs are refused.")
+    detail: str | None = Field(None, description="Accepted and ignored.")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Union[TextPart, ImagePart]
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ChatRequest(_Body):
+    model: str | None = Field(None, description="One of /v1/models' ids (or omitted).")
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)
+    temperature: float = Field(1.0, ge=0, le=2, description="0: greedy.")
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1, description="Only 1.")
+    user: str | None = Field(None, description="Accepted and ignored.")
+
+
+def parse_chat_request(body: dict) -> ChatRequest:
+    """A handle call's arguments as a request (400 naming the first invalid field)."""
+    try:
+        return ChatRequest.model_validate({**body, "stream": False})
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise RequestError(400, f"{where}: {first['msg']}", param=where) from None

@@ -165,3 +165,18 @@ def test_the_application_build_imports_no_torch_and_binds_every_deployment():
         module, _, name = deployment.func_or_class.rpartition(".")
         assert name == deployment.name and isinstance(getattr(importlib.import_module(module), name), type)
     assert {d.name for d in bound} == {"EncoderRouter", "EncoderReplica", "LLMReplica"}
+
+
+def test_the_router_module_imports_no_torch():
+    """A router replica imports its module before its constructor runs: torch and transformers
+    come only in the constructor, after it spawned the decode template that imports them too."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, deployments.router\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'PIL'}))\n"
+    )
+    root = __import__("pathlib").Path(__file__).parents[2]
+    done = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr

@@ -15,8 +15,7 @@ import pytest
 from PIL import Image
 
 from deployments.config import AppConfig
-from deployments.decode_pool import DecodePool
-from deployments.decode_worker import WorkerSetup
+from deployments.decode_pool import DecodePool, Template, WorkerSetup
 from deployments.errors import RequestError
 from deployments.media import RawItem
 
@@ -106,3 +105,50 @@ def test_a_new_template_starts_when_the_old_one_is_gone(pool):
     stats = pool.describe()
     assert stats["template_restarts"] == 1 and stats["template_pid"] != old and pool.alive == 3
     assert inspect(pool, png(32, 32)).spec.grid_thw[0] == 1
+
+
+def test_a_pool_starts_from_a_template_spawned_before_it():
+    """The router spawns the template first and hands it to its pool once its own imports are done."""
+    config = AppConfig()
+    template = Template.spawn()
+    pool = DecodePool(WorkerSetup(config.model, config.limits), workers=1, timeout_s=5.0, max_queued=16)
+    try:
+        pool.start(template)
+        assert pool.describe()["template_pid"] == template.process.pid and pool.alive == 2
+        assert inspect(pool, png(32, 32)).spec.grid_thw[0] == 1
+    finally:
+        pool.close()
+
+
+def test_a_template_gone_before_its_setup_fails_the_start():
+    config = AppConfig()
+    template = Template.spawn()
+    template.process.kill()
+    pool = DecodePool(WorkerSetup(config.model, config.limits), workers=1, timeout_s=5.0, max_queued=16)
+    with pytest.raises(RuntimeError, match="decode worker template failed to start"):
+        pool.start(template)
+    assert template.process.poll() is not None
+
+
+def test_a_router_that_fails_to_start_leaves_no_decode_template(monkeypatch):
+    """The router's constructor spawns the template before anything else; if the constructor then
+    fails (here: outside a Serve replica it has no replica context), the template is killed rather
+    than left running without a router."""
+    from ray.serve.exceptions import RayServeException
+
+    from deployments import router
+    from deployments.app import deployment_ladder
+
+    spawned: list[Template] = []
+    spawn = Template.spawn
+
+    def recorded() -> Template:
+        spawned.append(spawn())
+        return spawned[-1]
+
+    monkeypatch.setattr(Template, "spawn", recorded)  # the class, not `router.Template`: Serve copies the globals
+    config = AppConfig()
+    instance = object.__new__(router.EncoderRouter)
+    with pytest.raises(RayServeException, match="replica_context"):
+        asyncio.run(instance.__init__(config, None, None, deployment_ladder(config)))
+    assert len(spawned) == 1 and spawned[0].process.poll() is not None

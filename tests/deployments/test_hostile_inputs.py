@@ -25,7 +25,8 @@ import pytest
 from PIL import Image
 
 from deployments.config import Limits, ModelSettings
-from deployments.decode_worker import WorkerSetup, build_state, decode_job, inspect_job
+from deployments.decode_pool import WorkerSetup
+from deployments.decode_worker import build_state, decode_job, inspect_job
 from deployments.errors import RequestError
 from deployments.media import RawItem
 from tests.deployments import hostile_media as hostile
