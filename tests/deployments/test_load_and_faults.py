@@ -33,14 +33,24 @@ BAD = [
     {"type": "image", "image": base64.b64encode(POOL[0][:60]).decode()},  # truncated PNG
     {"type": "image", "image": base64.b64encode(POOL[1]).decode(), "colour": "red"},  # unknown field
 ]
+# 1,024 tokens, a pack of its own: a forward long enough on CPU (~150 ms) that a replica seen
+# computing holds a pack in flight; its pick is len(POOL).
+HEAVY = image_file(pattern(1024, 1024, seed=99), "PNG")
 
 
-def build_requests(count: int, bad_fraction: float, seed: int = 0) -> list[tuple[bool, list[int], dict]]:
+def build_requests(
+    count: int, bad_fraction: float, seed: int = 0, heavy_every: int = 0
+) -> list[tuple[bool, list[int], dict]]:
+    """Requests of one or two pool images (every `heavy_every`-th one HEAVY alone), a
+    `bad_fraction` of them with one bad item."""
     rng = np.random.default_rng(seed)
+    images = POOL + [HEAVY]
     requests = []
-    for _ in range(count):
+    for index in range(count):
         picks = [int(p) for p in rng.integers(0, len(POOL), int(rng.integers(1, 3)))]
-        items = [{"type": "image", "image": base64.b64encode(POOL[p]).decode()} for p in picks]
+        if heavy_every and index % heavy_every == heavy_every - 1:
+            picks = [len(POOL)]
+        items = [{"type": "image", "image": base64.b64encode(images[p]).decode()} for p in picks]
         bad = bool(rng.random() < bad_fraction)
         if bad:
             items[int(rng.integers(0, len(items)))] = BAD[int(rng.integers(0, len(BAD)))]
@@ -71,7 +81,7 @@ async def send_all(url: str, requests, concurrency: int, timeout_s: float, on_pr
 def reference_outputs():
     encoder = from_preset("qwen3-vl-tiny")
     tower = reference_tower(encoder)
-    return [reference_image(encoder, tower, data)[0] for data in POOL]
+    return [reference_image(encoder, tower, data)[0] for data in POOL + [HEAVY]]
 
 
 def check_good(result, reference_outputs) -> None:
@@ -184,18 +194,18 @@ def kill_encoders_and_wait_for_replacements(serve_harness, client, url: str) -> 
 
 def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, reference_outputs):
     url = deploy_faults(serve_harness)
-    requests = build_requests(400, bad_fraction=0.0, seed=3)
+    requests = build_requests(300, bad_fraction=0.0, seed=3, heavy_every=10)
     replicas = replica_pids("faults")
     assert len(replicas) == 2, replicas
     killed = asyncio.Event()
     probing = [False]
 
     async def kill_midway(index):
-        # From the 100th answer on, kill a replica as soon as one is seen computing, so the kill
-        # hits packs in flight: a replica caught between packs retries nothing and the test would
-        # prove nothing. Computing: its threads ran >= 5 ms within 25 ms (idle threads run
-        # microseconds; beside the rest of the suite on 2 cores a forward gets less than all of
-        # one). Kill the busier one anyway by the 350th answer.
+        # From the 100th answer on, kill a replica as soon as one is seen inside a forward, so the
+        # kill hits packs in flight: a replica caught between packs retries nothing and the test
+        # would prove nothing. Inside a forward: its threads ran >= 15 ms within 25 ms (idle
+        # threads and small packs' forwards run far less; a HEAVY pack's forward runs ~150 ms).
+        # Kill the busier one anyway by the 250th answer.
         if killed.is_set() or index < 100 or probing[0]:
             return
         probing[0] = True
@@ -205,7 +215,7 @@ def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, refe
             ran = [cpu_seconds(pid) - start for pid, start in zip(replicas, before)]
         finally:
             probing[0] = False
-        if (max(ran) >= 0.005 or index >= 350) and not killed.is_set():
+        if (max(ran) >= 0.015 or index >= 250) and not killed.is_set():
             os.kill(replicas[ran.index(max(ran))], signal.SIGKILL)
             killed.set()
 
