@@ -67,6 +67,8 @@ MARKERS = {
     "router_ready_s": "router ready",
 }
 """Startup lines of `serve run`'s log, timed as they appear."""
+FAILED_MARKERS = ("Received unexpected error", "Deploying the latest version of the application failed")
+"""Lines `serve run` logs when it gives up (it may then hang in `serve.shutdown()`)."""
 
 
 # ---- the workload ----
@@ -493,6 +495,7 @@ class ServeRun:
         )
         self.seen: dict[str, float] = {}
         self.address: str | None = None
+        self.failed: str | None = None
         self._stop = threading.Event()
         threading.Thread(target=self._watch, daemon=True).start()
 
@@ -505,6 +508,17 @@ class ServeRun:
             found = re.search(r"RAY_ADDRESS=(\S+) python", text)
             if found:
                 self.address = found.group(1)
+            self.failed = next((marker for marker in FAILED_MARKERS if marker in text), None)
+
+    def raise_if_failed(self) -> None:
+        """RuntimeError, with the log's last lines, once `serve run` has exited or given up: a
+        service that cannot start fails the benchmark at once, not after `--startup-timeout`."""
+        code = self.process.poll()
+        if code is None and self.failed is None:
+            return
+        tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+        reason = f"exited with {code}" if code is not None else f"logged {self.failed!r}"
+        raise RuntimeError(f"`serve run` {reason} ({self.log}):\n{tail}")
 
     def stop(self) -> None:
         self._stop.set()
@@ -513,11 +527,13 @@ class ServeRun:
             self.process.wait(180)
 
 
-def first_answer(url: str, body: bytes, timeout_s: float) -> float:
+def first_answer(url: str, body: bytes, timeout_s: float, alive: Callable[[], None]) -> float:
+    """When `url` first answers `body` with 200; `alive()` raises if the service gave up."""
     import httpx
 
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
+        alive()
         try:
             reply = httpx.post(url + "/v1/encode", content=body, headers=JSON, timeout=30)
         except httpx.HTTPError:
@@ -530,13 +546,16 @@ def first_answer(url: str, body: bytes, timeout_s: float) -> float:
     raise TimeoutError(f"no 200 from {url} within {timeout_s} s")
 
 
-def full_speed(url: str, model_id: str, timeout_s: float, replicas: int | None = None) -> tuple[float, dict]:
+def full_speed(
+    url: str, model_id: str, timeout_s: float, alive: Callable[[], None], replicas: int | None = None
+) -> tuple[float, dict]:
     """When the encoder replica that answers reports every graph live (with `replicas`: when
     Serve runs exactly that many and each reports it); returns that time and that replica's warm-up."""
     import httpx
 
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
+        alive()
         try:
             encoder = httpx.get(f"{url}/v1/models/{model_id}", timeout=10).json()["encoder"]
             replica, each = encoder["replica"], encoder.get("replica_warmup", {}).values()
@@ -560,9 +579,9 @@ def start_service(args, config_path: Path, out: Path, tag: str, replicas: int | 
     service = ServeRun(config_path, out / f"serve_run_{tag}.log")
     probe = http_body(single_images(1, seed=99)[0], "safetensors", True)
     try:
-        answered = first_answer(url, probe, args.startup_timeout)
+        answered = first_answer(url, probe, args.startup_timeout, service.raise_if_failed)
         model_id = AppConfig.model_validate(app.get("args", {})).model.model_id
-        fast, warmup = full_speed(url, model_id, args.startup_timeout, replicas)
+        fast, warmup = full_speed(url, model_id, args.startup_timeout, service.raise_if_failed, replicas)
     except BaseException:
         service.stop()
         raise
@@ -576,7 +595,7 @@ def start_service(args, config_path: Path, out: Path, tag: str, replicas: int | 
     return service, {"url": url, "app": app["name"], "model_id": model_id, **startup}
 
 
-def rescale(config_path: Path, startup: dict, replicas: int, timeout_s: float) -> dict:
+def rescale(config_path: Path, service: ServeRun, startup: dict, replicas: int, timeout_s: float) -> dict:
     """Deploy `config_path` (the same application, another replica count) over the running one,
     as `serve run` deployed it, and wait until exactly `replicas` encoder replicas run at full
     speed. Serve stops the newest replicas first, so scaling down keeps warm ones."""
@@ -586,7 +605,7 @@ def rescale(config_path: Path, startup: dict, replicas: int, timeout_s: float) -
     start = time.monotonic()
     document = ServeDeploySchema.model_validate(yaml.safe_load(config_path.read_text()))
     _get_global_client().deploy_apps(document, _blocking=False)
-    fast, _ = full_speed(startup["url"], startup["model_id"], timeout_s, replicas)
+    fast, _ = full_speed(startup["url"], startup["model_id"], timeout_s, service.raise_if_failed, replicas)
     rescaled = {"replicas": replicas, "at_full_speed_s": round(fast - start, 1)}
     print(f"rescaled: {json.dumps(rescaled)}", flush=True)
     return rescaled
@@ -771,7 +790,7 @@ def run_ours(args, requests: list[list]) -> list[Path]:
             if index == 0:
                 record["startup"] = {"cold": startup}
             else:
-                record["rescaled"] = rescale(config, startup, replicas, args.startup_timeout)
+                record["rescaled"] = rescale(config, service, startup, replicas, args.startup_timeout)
             record.save()
             if args.single:
                 single = {"handle": ("handle", call), "safetensors": interfaces["safetensors"]}

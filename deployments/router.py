@@ -88,6 +88,7 @@ class EncoderRouter:
             self.service.start(template)  # sends the template its setup, waits for it, forks the workers
         except BaseException:
             template.close()  # no decode process outlives a router that failed to start
+            self._close()
             raise
         self._described: tuple[float, dict] | None = None
         self._stop_gauges = refresh_gauges(self.service.set_gauges)
@@ -102,8 +103,14 @@ class EncoderRouter:
         )
 
     def __del__(self):
-        self.fleet.stop()
-        self.service.close()
+        self._close()
+
+    def _close(self) -> None:
+        """Stop what the constructor started, as far as it got."""
+        if (fleet := getattr(self, "fleet", None)) is not None:
+            fleet.stop()
+        if (service := getattr(self, "service", None)) is not None:
+            service.close()
 
     # ---- HTTP ----
 
