@@ -67,8 +67,11 @@ MARKERS = {
     "router_ready_s": "router ready",
 }
 """Startup lines of `serve run`'s log, timed as they appear."""
-FAILED_MARKERS = ("Received unexpected error", "Deploying the latest version of the application failed")
-"""Lines `serve run` logs when it gives up (it may then hang in `serve.shutdown()`)."""
+FAILED_MARKERS = (
+    "failed with exception:",  # the controller: "Deploying app 'encoder' failed with exception: ..."
+    "Received unexpected error",  # `serve run` itself, before `serve.shutdown()` (which may hang)
+)
+"""Log lines after which `serve run` keeps running but the application will never answer."""
 
 
 # ---- the workload ----
