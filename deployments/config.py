@@ -115,8 +115,9 @@ class RouterSettings(_Strict):
     packs_in_flight_per_replica: int = Field(
         2,
         gt=0,
-        description="Packs this router keeps in flight per encoder replica; the rest wait in the router, "
-        "where later requests join their packs.",
+        description="Packs this router keeps in flight per encoder replica, at most its share of the "
+        "replicas' `max_ongoing_requests` among the routers; the rest wait in the router, where later "
+        "requests join their packs.",
     )
     log_requests: bool = Field(False, description="Log one line per HTTP request (Serve's access log).")
 

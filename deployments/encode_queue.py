@@ -25,7 +25,8 @@ from .errors import Overloaded, RequestError, overloaded
 from .fleet import EncoderFleet
 from .media import DecodedItem
 from .metrics import RouterMetrics
-from .scheduler import PackScheduler, QueuedItem
+from .routing import replica_slots
+from .scheduler import PackScheduler, QueuedItem, packs_in_flight
 
 logger = logging.getLogger("ray.serve")
 
@@ -107,11 +108,16 @@ class EncodeQueue:
             retryable=replica_failed,
             final_error=self._pack_error,
             on_pack=self._observe_pack,
-            max_inflight_packs=lambda: max(1, self.fleet.running) * router.packs_in_flight_per_replica,
+            max_inflight_packs=self.max_packs_in_flight,
         )
         self.cache = EmbeddingCache(router.cache_bytes)
         self.inflight = InflightTable()
         self._liveness_checked: dict[str, float] = {}
+
+    def max_packs_in_flight(self) -> int:
+        return packs_in_flight(
+            self.fleet.running, self.config.router.packs_in_flight_per_replica, replica_slots(), self.fleet.routers
+        )
 
     def check_room(self, tokens: int) -> None:
         """503 at once when the service cannot take `tokens` more (no replica, or the queue is full)."""
@@ -246,6 +252,7 @@ class EncodeQueue:
         return {
             "packs": self.scheduler.stats.snapshot(),
             "queued_tokens": self.scheduler.queued_tokens,
+            "max_packs_in_flight": self.max_packs_in_flight(),
             "cache": {
                 "entries": len(self.cache),
                 "bytes": self.cache.bytes,

@@ -27,11 +27,14 @@ STALE_S = 10.0
 
 
 class EncoderFleet:
-    def __init__(self, app: str, deployment: str = "EncoderReplica"):
+    def __init__(self, app: str, deployment: str = "EncoderReplica", routers: str = "EncoderRouter"):
         self.app = app
         self.deployment = deployment
+        self.router_deployment = routers
         self.states: dict[str, int] = {}
         """Replica counts by Serve state (RUNNING, STARTING, ...)."""
+        self.routers = 1
+        """Running router replicas of the application (they share the encoder replicas' slots)."""
         self.status = "UNKNOWN"
         self.message = ""
         self._read_at = 0.0
@@ -89,4 +92,7 @@ class EncoderFleet:
             self.states = {str(k).rsplit(".", 1)[-1]: v for k, v in deployment.replica_states.items()}
             self.status = str(deployment.status).rsplit(".", 1)[-1]
             self.message = deployment.message or ""
+        routers = None if app is None else app.deployments.get(self.router_deployment)
+        if routers is not None:
+            self.routers = max(1, sum(n for k, n in routers.replica_states.items() if str(k).endswith("RUNNING")))
         self._read_at = time.monotonic()

@@ -41,6 +41,16 @@ def replica_reports() -> dict[str, dict]:
     return reports
 
 
+def replica_slots() -> int | None:
+    """Requests the encoder replicas take at once, summed (each one's `max_ongoing_requests`), as
+    this process's routers know them; None before a router has seen a replica."""
+    replicas = {}
+    for router in list(_ROUTERS):
+        for replica_id, replica in list(router.curr_replicas.items()):
+            replicas[replica_id] = replica.max_ongoing_requests
+    return sum(replicas.values()) if replicas else None
+
+
 class FewestQueuedTokensRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, **kwargs) -> None:
         self._sent_tokens: dict[ReplicaID, int] = defaultdict(int)

@@ -103,6 +103,17 @@ def _detached_task(coroutine) -> asyncio.Task:
     return contextvars.Context().run(loop.create_task, coroutine)
 
 
+def packs_in_flight(running: int, per_replica: int, slots: int | None, routers: int) -> int:
+    """Packs one router keeps in flight: `per_replica` for each running encoder replica, but no more
+    than its share of the replicas' slots (`slots`: their `max_ongoing_requests`, summed) among
+    `routers` routers. Beyond the slots a replica refuses the pack and Serve retries it with
+    backoff, where later requests cannot join it; below, it waits here, where they can. At least 1."""
+    wanted = max(1, running) * per_replica
+    if slots is None:
+        return wanted
+    return max(1, min(wanted, slots // max(1, routers)))
+
+
 class PackScheduler:
     def __init__(
         self,

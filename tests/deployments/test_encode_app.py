@@ -172,13 +172,16 @@ def test_64_concurrent_requests_get_their_own_items(url, reference, serve_harnes
 
         with ThreadPoolExecutor(64) as pool:
             responses = list(pool.map(send, requests))
-        stats = model_detail(client, url)["router"]["packs"]
+        router = model_detail(client, url)["router"]
+    stats = router["packs"]
     for files, response in zip(requests, responses):
         assert response.status_code == 200, response.text
         for data, entry in zip(files, response.json()["data"]):
             check_item(entry, *reference_image(encoder, tower, data))
     assert stats["max_requests_in_a_pack"] >= 2
     assert stats["mean_requests_per_pack"] > 1.0, stats
+    # one router, one replica taking 8 at once (Serve's default here): 2 packs in flight, as configured
+    assert router["max_packs_in_flight"] == 2
 
 
 def test_lone_request_is_served_within_max_wait_plus_compute(app, url, serve_harness):

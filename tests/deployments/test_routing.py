@@ -3,7 +3,8 @@
 import asyncio
 from types import SimpleNamespace
 
-from deployments.routing import FewestQueuedTokensRouter
+from deployments import routing
+from deployments.routing import FewestQueuedTokensRouter, replica_slots
 
 
 def router() -> FewestQueuedTokensRouter:
@@ -68,3 +69,18 @@ def test_an_unavailable_replica_or_deployment_is_retried_elsewhere_not_blamed_on
     assert replica_failed(ReplicaUnavailableError("r1"))
     assert replica_failed(DeploymentUnavailableError(DeploymentID(name="EncoderReplica", app_name="encoder")))
     assert not replica_failed(ValueError("the pack's pixels make 10 patches, its specs say 12"))
+
+
+def test_replica_slots_sum_each_replica_once_over_this_processs_routers(monkeypatch):
+    """The encoder replicas' `max_ongoing_requests`, summed over the replicas the process's
+    request routers know (one replica known to two routers counts once); None before any."""
+    monkeypatch.setattr(routing, "_ROUTERS", set())
+    assert replica_slots() is None
+    first, second = router(), router()
+    first._replicas = {
+        "a": SimpleNamespace(max_ongoing_requests=8),
+        "b": SimpleNamespace(max_ongoing_requests=4),
+    }  # Serve keeps `curr_replicas` there
+    second._replicas = {"b": SimpleNamespace(max_ongoing_requests=4)}
+    routing._ROUTERS.update({first, second})
+    assert replica_slots() == 12

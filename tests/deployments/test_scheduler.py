@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from deployments.scheduler import Overloaded, PackScheduler, QueuedItem
+from deployments.scheduler import Overloaded, PackScheduler, QueuedItem, packs_in_flight
 from models.protocol import ItemOutput, ItemSpec
 
 
@@ -250,3 +250,14 @@ def test_packs_wait_for_a_free_replica_slot_and_grow_meanwhile():
     gate, sched = asyncio.run(main())
     assert [len({i.request_id for i in pack}) for pack in gate.packs] == [1, 5]
     assert sched.stats.held_for_room >= 1
+
+
+def test_routers_together_keep_no_more_packs_in_flight_than_the_replicas_take():
+    """Per router: `per_replica` for each running replica, capped by its share of the replicas'
+    slots, at least one. 16 routers, 2 replicas of 8 slots: 1 each, not 4 (64 against 16 slots)."""
+    assert packs_in_flight(running=1, per_replica=2, slots=None, routers=4) == 2  # slots not known yet
+    assert packs_in_flight(running=1, per_replica=2, slots=8, routers=4) == 2
+    assert packs_in_flight(running=2, per_replica=2, slots=16, routers=16) == 1
+    assert packs_in_flight(running=4, per_replica=2, slots=32, routers=16) == 2
+    assert packs_in_flight(running=1, per_replica=2, slots=8, routers=20) == 1  # never 0
+    assert packs_in_flight(running=0, per_replica=2, slots=None, routers=1) == 2  # before the first reading
