@@ -527,7 +527,11 @@ class ServeRun:
         self._stop.set()
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGINT)
-            self.process.wait(180)
+            try:
+                self.process.wait(180)
+            except subprocess.TimeoutExpired:  # `serve.shutdown()` hung: the error that brought us here matters more
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
 
 
 def first_answer(url: str, body: bytes, timeout_s: float, alive: Callable[[], None]) -> float:
