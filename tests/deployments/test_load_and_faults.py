@@ -198,6 +198,7 @@ def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, refe
     replicas = replica_pids("faults")
     assert len(replicas) == 2, replicas
     killed = asyncio.Event()
+    kill: dict = {}  # at which answer, and the busier replica's CPU ms in the probe's 25 ms
     probing = [False]
 
     async def kill_midway(index):
@@ -217,6 +218,7 @@ def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, refe
             probing[0] = False
         if (max(ran) >= 0.015 or index >= 250) and not killed.is_set():
             os.kill(replicas[ran.index(max(ran))], signal.SIGKILL)
+            kill.update(at_answer=index, cpu_ms=round(max(ran) * 1e3, 1), forced=max(ran) < 0.015)
             killed.set()
 
     start = time.perf_counter()
@@ -243,6 +245,7 @@ def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, refe
             "retried_packs": stats["retried_packs"],
             "failed_packs": stats["failed_packs"],
             "encoded_again": router["encoded_again"],
+            "kill": kill,
         },
     )
     assert statuses.count(200) > len(results) // 2
