@@ -16,7 +16,7 @@ from ray import serve
 
 logger = logging.getLogger("ray.serve")
 
-REFRESH_S = 1.0
+REFRESH_S = 0.5
 """Between readings while no replica runs or the deployment is not healthy."""
 STEADY_REFRESH_S = 5.0
 """Between readings while the deployment is healthy: `serve.status()` costs the router ~16 ms

@@ -83,9 +83,24 @@ class ServeHarness:
                 applications=list(self.apps.values()), http_options=self.http_options, proxy_location="HeadOnly"
             )
             self.client.deploy_apps(deploy, _blocking=False)
+        url = self.base_url + (schema.route_prefix.rstrip("/") if schema.route_prefix != "/" else "")
         if wait:
             self.wait_running(schema.name, self.deploy_timeout_s)
-        return self.base_url + (schema.route_prefix.rstrip("/") if schema.route_prefix != "/" else "")
+            self.wait_healthy(url)
+        return url
+
+    def wait_healthy(self, url: str, timeout_s: float = 30) -> None:
+        """Until the router answers `/health` 200: Serve reports the application RUNNING before the
+        router's own reading of the encoder replicas (every `fleet.REFRESH_S`) has seen one run."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{url}/health not 200 after {timeout_s} s")
 
     def remove(self, name: str) -> None:
         """Delete an application (and stop redeploying it with the others)."""
