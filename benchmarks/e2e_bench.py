@@ -72,6 +72,8 @@ FAILED_MARKERS = (
     "Received unexpected error",  # `serve run` itself, before `serve.shutdown()` (which may hang)
 )
 """Log lines after which `serve run` keeps running but the application will never answer."""
+REPLICA_FAILED = "Exception in Replica("
+"""The controller's line for a replica whose constructor (or health check) raised; Serve retries."""
 
 
 # ---- the workload ----
@@ -512,6 +514,8 @@ class ServeRun:
             if found:
                 self.address = found.group(1)
             self.failed = next((marker for marker in FAILED_MARKERS if marker in text), None)
+            if self.failed is None and text.count(REPLICA_FAILED) >= 3:
+                self.failed = f"{REPLICA_FAILED!r} 3 times"  # Serve's give-up point for one replica
 
     def raise_if_failed(self) -> None:
         """RuntimeError, with the log's last lines, once `serve run` has exited or given up: a
