@@ -501,6 +501,8 @@ class ServeRun:
         self.seen: dict[str, float] = {}
         self.address: str | None = None
         self.failed: str | None = None
+        self.answered = False
+        """Set once the service answered: replica failures after that (a failover's) are expected."""
         self._stop = threading.Event()
         threading.Thread(target=self._watch, daemon=True).start()
 
@@ -514,7 +516,7 @@ class ServeRun:
             if found:
                 self.address = found.group(1)
             self.failed = next((marker for marker in FAILED_MARKERS if marker in text), None)
-            if self.failed is None and text.count(REPLICA_FAILED) >= 3:
+            if self.failed is None and not self.answered and text.count(REPLICA_FAILED) >= 3:
                 self.failed = f"{REPLICA_FAILED!r} 3 times"  # Serve's give-up point for one replica
 
     def raise_if_failed(self) -> None:
@@ -591,6 +593,7 @@ def start_service(args, config_path: Path, out: Path, tag: str, replicas: int | 
     probe = http_body(single_images(1, seed=99)[0], "safetensors", True)
     try:
         answered = first_answer(url, probe, args.startup_timeout, service.raise_if_failed)
+        service.answered = True
         model_id = AppConfig.model_validate(app.get("args", {})).model.model_id
         fast, warmup = full_speed(url, model_id, args.startup_timeout, service.raise_if_failed, replicas)
     except BaseException:

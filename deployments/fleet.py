@@ -89,10 +89,15 @@ class EncoderFleet:
         app = serve.status().applications.get(self.app)
         deployment = None if app is None else app.deployments.get(self.deployment)
         if deployment is not None:
-            self.states = {str(k).rsplit(".", 1)[-1]: v for k, v in deployment.replica_states.items()}
+            self.states = _by_state(deployment.replica_states)
             self.status = str(deployment.status).rsplit(".", 1)[-1]
             self.message = deployment.message or ""
         routers = None if app is None else app.deployments.get(self.router_deployment)
         if routers is not None:
-            self.routers = max(1, sum(n for k, n in routers.replica_states.items() if str(k).endswith("RUNNING")))
+            self.routers = max(1, _by_state(routers.replica_states).get("RUNNING", 0))
         self._read_at = time.monotonic()
+
+
+def _by_state(replica_states: dict) -> dict[str, int]:
+    """Replica counts by state name (Serve's keys: the state's value, or the enum itself)."""
+    return {str(k).rsplit(".", 1)[-1]: v for k, v in replica_states.items()}

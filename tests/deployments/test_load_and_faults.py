@@ -178,7 +178,7 @@ def deploy_faults(serve_harness) -> str:
     )
 
 
-def kill_encoders_and_wait_for_replacements(serve_harness, client, url: str) -> None:
+def kill_encoders_and_wait_for_replacements(serve_harness, url: str) -> None:
     """SIGKILL every encoder replica of the fault tests' application, then wait until Serve has
     replaced them and the router answers `/health`."""
     killed = replica_pids("faults")
@@ -188,8 +188,7 @@ def kill_encoders_and_wait_for_replacements(serve_harness, client, url: str) -> 
     while time.monotonic() < deadline and len(set(replica_pids("faults")) - set(killed)) < 2:
         time.sleep(0.5)
     serve_harness.wait_running("faults")
-    while time.monotonic() < deadline and client.get(url + "/health").status_code != 200:
-        time.sleep(0.5)  # the router sees the new replicas
+    serve_harness.wait_healthy(url)  # the router sees the new replicas
 
 
 def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, reference_outputs):
@@ -262,7 +261,7 @@ def test_a_result_lost_with_its_replica_is_encoded_again_over_http(serve_harness
     body = {"items": [{"type": "image", "image": base64.b64encode(POOL[5]).decode()}], "cache": True}
     with httpx.Client(timeout=60) as client:
         assert client.post(url + "/v1/encode", json=body).status_code == 200
-        kill_encoders_and_wait_for_replacements(serve_harness, client, url)
+        kill_encoders_and_wait_for_replacements(serve_harness, url)
         before = model_detail(client, url)["router"]
         again = client.post(url + "/v1/encode", json=body)
         after = model_detail(client, url)["router"]
@@ -282,7 +281,7 @@ def test_a_handle_request_never_gets_a_cached_result_of_a_dead_replica(serve_har
     first = handle.encode.remote([POOL[7]], cache=True).result()
     assert relative_error(first[0].embedding, reference_outputs[7]) <= 1e-4
     with httpx.Client(timeout=60) as client:
-        kill_encoders_and_wait_for_replacements(serve_harness, client, url)
+        kill_encoders_and_wait_for_replacements(serve_harness, url)
         before = model_detail(client, url)["router"]["cache"]
         again = handle.encode.remote([POOL[7]], cache=True).result()
         assert relative_error(again[0].embedding, reference_outputs[7]) <= 1e-4  # readable: encoded anew
