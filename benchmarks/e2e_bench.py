@@ -448,7 +448,8 @@ def _measure_interface(args, name, interface, how, requests, concurrencies, rows
             pools[key] = ClientPool(_handle_setup, (how[1], how[2], requests), how[3], requests)
         else:
             bodies = [http_body(r, how[2], name == "ours") for r in requests]
-            pools[key] = ClientPool(_http_setup, (how[1], bodies, how[2]), min(8, max(concurrencies)), requests)
+            processes = min(args.http_processes, max(concurrencies))
+            pools[key] = ClientPool(_http_setup, (how[1], bodies, how[2]), processes, requests)
     for concurrency in concurrencies:
         seconds = args.seconds + args.warmup
         window, clients_cpu = Window(), 0.0  # callers in other processes report their own CPU
@@ -1112,6 +1113,12 @@ def main() -> None:
         type=int,
         default=1,
         help="ours: driver processes sharing the mixed handle load (1: all callers in this process)",
+    )
+    parser.add_argument(
+        "--http-processes",
+        type=int,
+        default=8,
+        help="client processes sharing each HTTP load (one Python process cannot read a fast service's responses)",
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
