@@ -952,15 +952,22 @@ def load_runs(out: Path) -> dict:
     return {p.stem.removeprefix("e2e_"): json.loads(p.read_text()) for p in sorted(out.glob("e2e_*.json"))}
 
 
-def plot(runs: dict, out: Path) -> None:
+def _pyplot():
+    """matplotlib's pyplot on the file backend, or None (with a hint) where it is not installed."""
     try:
         import matplotlib
     except ImportError:
         print("no plots: pip install matplotlib (the `bench` extra)")
-        return
-
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(runs: dict, out: Path) -> None:
+    if (plt := _pyplot()) is None:
+        return
     import matplotlib.ticker
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
@@ -1037,21 +1044,49 @@ def table(runs: dict) -> str:
     return "\n".join(lines)
 
 
+def _best_points(runs: dict[int, dict]) -> tuple[list[str], dict]:
+    """The interfaces, and each one's best point (most tokens/s over concurrency) per replica count."""
+    interfaces = sorted({i for run in runs.values() for i in run.get("mixed", {})})
+    best = {
+        (n, i): max(run.get("mixed", {}).get(i, {}).values(), key=lambda p: p["tokens_per_s"], default=None)
+        for n, run in runs.items()
+        for i in interfaces
+    }
+    return interfaces, best
+
+
+def plot_scaling(runs: dict[int, dict], out: Path) -> None:
+    """Best tokens/s against replica count per interface, beside linear scaling from the fewest."""
+    if (plt := _pyplot()) is None:
+        return
+    interfaces, best = _best_points(runs)
+    counts, fewest = sorted(runs), min(runs)
+    figure, axis = plt.subplots(figsize=(6.5, 5))
+    for interface in interfaces:
+        shown = [n for n in counts if best[n, interface] is not None]
+        (line,) = axis.plot(
+            shown, [best[n, interface]["tokens_per_s"] for n in shown], marker="o", label=f"ours {interface}"
+        )
+        if best[fewest, interface] is not None:
+            base = best[fewest, interface]["tokens_per_s"] / fewest
+            axis.plot(counts, [base * n for n in counts], linestyle=":", color=line.get_color(), label=f"{interface}, linear from {fewest}")
+    axis.set(xlabel="encoder replicas (one GPU each)", ylabel="vision tokens / s", xticks=counts, title="scaling")
+    axis.set_ylim(bottom=0)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(out / "scaling.png", dpi=110)
+
+
 def scaling_table(runs: dict[int, dict]) -> str:
     """Each interface's best point per replica count, and its ratio to the fewest replicas' best."""
     fewest = min(runs)
-    interfaces = sorted({i for run in runs.values() for i in run.get("mixed", {})})
+    interfaces, best = _best_points(runs)
     lines = [
         "| replicas | "
         + " | ".join(f"{i}: tok/s (c, p50 ms) | x{fewest}" for i in interfaces)
         + " | routers' cores (with decode workers) |",
         "|---|" + "---|---|" * len(interfaces) + "---|",
     ]
-    best = {
-        (n, i): max(run.get("mixed", {}).get(i, {}).values(), key=lambda p: p["tokens_per_s"], default=None)
-        for n, run in runs.items()
-        for i in interfaces
-    }
     for n in sorted(runs):
         cells, cores = [], []
         for i in interfaces:
@@ -1148,7 +1183,9 @@ def main() -> None:
         (folder / "e2e.md").write_text(report + "\n")
         print(report)
     if len(folders) > 1:
-        report = scaling_table({int(f.name.removeprefix("replicas_")): load_runs(f).get("ours", {}) for f in folders})
+        scaling = {int(f.name.removeprefix("replicas_")): load_runs(f).get("ours", {}) for f in folders}
+        plot_scaling(scaling, args.out)
+        report = scaling_table(scaling)
         (args.out / "scaling.md").write_text(report + "\n")
         print(report)
 
