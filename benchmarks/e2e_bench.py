@@ -51,29 +51,13 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.environment import environment  # noqa: E402
+from benchmarks.serve_log import MARKERS, ray_address, startup_failure  # noqa: E402
 
 SIZES = [(224, 224), (448, 448), (640, 480), (800, 600), (1024, 768), (1280, 720), (1920, 1080)]
 VIDEO_SHARE = 0.1
 VIDEO_FRAMES, VIDEO_SIZE = 8, (448, 448)
 JSON = {"Content-Type": "application/json"}
 USAGE = re.compile(rb'"vision_tokens":\s*(\d+)')
-MARKERS = {
-    "ray_started_s": "Started a local Ray instance",
-    "serve_started_s": "Started Serve",
-    "encoder_ready_s": "encoder replica ready",
-    "graphs_live_s": "warm-up: graphs done",  # the first replica's graphs all tried (live unless refused)
-    "full_speed_logged_s": "into the warm-up:",
-    "service_ready_s": "service ready",
-    "router_ready_s": "router ready",
-}
-"""Startup lines of `serve run`'s log, timed as they appear."""
-FAILED_MARKERS = (
-    "failed with exception:",  # the controller: "Deploying app 'encoder' failed with exception: ..."
-    "Received unexpected error",  # `serve run` itself, before `serve.shutdown()` (which may hang)
-)
-"""Log lines after which `serve run` keeps running but the application will never answer."""
-REPLICA_FAILED = "Exception in Replica("
-"""The controller's line for a replica whose constructor (or health check) raised; Serve retries."""
 
 
 # ---- the workload ----
@@ -513,12 +497,8 @@ class ServeRun:
             for key, marker in MARKERS.items():
                 if key not in self.seen and marker in text:
                     self.seen[key] = round(time.monotonic() - self.started, 1)
-            found = re.search(r"RAY_ADDRESS=(\S+) python", text)
-            if found:
-                self.address = found.group(1)
-            self.failed = next((marker for marker in FAILED_MARKERS if marker in text), None)
-            if self.failed is None and not self.answered and text.count(REPLICA_FAILED) >= 3:
-                self.failed = f"{REPLICA_FAILED!r} 3 times"  # Serve's give-up point for one replica
+            self.address = self.address or ray_address(text)
+            self.failed = startup_failure(text, self.answered)
 
     def raise_if_failed(self) -> None:
         """RuntimeError, with the log's last lines, once `serve run` has exited or given up: a
@@ -1069,7 +1049,13 @@ def plot_scaling(runs: dict[int, dict], out: Path) -> None:
         )
         if best[fewest, interface] is not None:
             base = best[fewest, interface]["tokens_per_s"] / fewest
-            axis.plot(counts, [base * n for n in counts], linestyle=":", color=line.get_color(), label=f"{interface}, linear from {fewest}")
+            axis.plot(
+                counts,
+                [base * n for n in counts],
+                linestyle=":",
+                color=line.get_color(),
+                label=f"{interface}, linear from {fewest}",
+            )
     axis.set(xlabel="encoder replicas (one GPU each)", ylabel="vision tokens / s", xticks=counts, title="scaling")
     axis.set_ylim(bottom=0)
     axis.legend(fontsize=7)

@@ -1,0 +1,41 @@
+"""What `serve run`'s log says about a starting service: the startup lines timed as they appear,
+and the lines after which it will never answer (so a benchmark fails at once, not at its timeout)."""
+
+from __future__ import annotations
+
+import re
+
+MARKERS = {
+    "ray_started_s": "Started a local Ray instance",
+    "serve_started_s": "Started Serve",
+    "encoder_ready_s": "encoder replica ready",
+    "graphs_live_s": "warm-up: graphs done",  # the first replica's graphs all tried (live unless refused)
+    "full_speed_logged_s": "into the warm-up:",
+    "service_ready_s": "service ready",
+    "router_ready_s": "router ready",
+}
+"""Startup lines of `serve run`'s log, by the key each one's time is recorded under."""
+FAILED_MARKERS = (
+    "failed with exception:",  # the controller: "Deploying app 'encoder' failed with exception: ..."
+    "Received unexpected error",  # `serve run` itself, before `serve.shutdown()` (which may hang)
+)
+"""Log lines after which `serve run` keeps running but the application will never answer."""
+REPLICA_FAILED = "Exception in Replica("
+"""The controller's line for a replica whose constructor (or health check) raised; Serve retries."""
+REPLICA_GIVES_UP = 3
+"""Constructor failures of one replica after which Serve stops retrying it."""
+
+
+def startup_failure(text: str, answered: bool) -> str | None:
+    """Why the service in `text` (the log so far) will not start, or None. Replica failures count
+    only before the service first `answered`: after it, one is a failover (a killed replica)."""
+    failed = next((marker for marker in FAILED_MARKERS if marker in text), None)
+    if failed is None and not answered and text.count(REPLICA_FAILED) >= REPLICA_GIVES_UP:
+        return f"{REPLICA_FAILED!r} {REPLICA_GIVES_UP} times"
+    return failed
+
+
+def ray_address(text: str) -> str | None:
+    """The cluster address `serve run` prints for drivers that attach (`RAY_ADDRESS=... python`)."""
+    found = re.search(r"RAY_ADDRESS=(\S+) python", text)
+    return found.group(1) if found else None
