@@ -111,9 +111,7 @@ async def _generate_request(service, body: ChatRequest):
         raise RequestError(404, "this deployment has no LLM (set `llm` in the app config)", error_type="not_found")
     served = {config.model.model_id, config.llm.model_id}
     if body.model is not None and body.model not in served:
-        raise RequestError(
-            404, f"model {body.model!r} is not served here; use one of {sorted(served)}", "model", "model_not_found"
-        )
+        raise RequestError(404, f"model {body.model!r} is not served here; use one of {sorted(served)}", "model")
     max_tokens = body.max_completion_tokens or body.max_tokens or 16
     if max_tokens > config.llm.max_tokens:
         raise RequestError(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 
 class RequestError(Exception):
     """A request the service refuses; `status` and `body()` go to the client as is."""
@@ -39,3 +41,25 @@ def item_error(index: int, status: int, message: str) -> RequestError:
 
 def overloaded(message: str, retry_after_s: int, kind: type[RequestError] = RequestError) -> RequestError:
     return kind(503, message, error_type="overloaded_error", headers={"Retry-After": str(retry_after_s)})
+
+
+class RefusalsInOneLine(logging.Filter):
+    """Serve logs every exception a replica method raises with its traceback (echoed to the
+    caller's driver too); a `RequestError` is an answer, not a fault: one line, INFO for a 4xx,
+    WARNING for a 5xx. Added to the "ray.serve" logger, whose records Serve's replica writes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, RequestError):
+            record.levelno = logging.INFO if error.status < 500 else logging.WARNING
+            record.levelname = logging.getLevelName(record.levelno)
+            record.msg, record.args = "request answered %d: %s", (error.status, error.message)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def log_refusals_in_one_line() -> None:
+    """Install `RefusalsInOneLine` on Serve's logger once per process."""
+    serve_logger = logging.getLogger("ray.serve")
+    if not any(isinstance(f, RefusalsInOneLine) for f in serve_logger.filters):
+        serve_logger.addFilter(RefusalsInOneLine())

@@ -28,7 +28,7 @@ from encoder_graphs.config import Ladder
 
 from .config import AppConfig
 from .decode_pool import Template
-from .errors import RequestError, overloaded
+from .errors import RequestError, log_refusals_in_one_line, overloaded
 from .fleet import EncoderFleet
 from .http import create_api, http_ingress
 from .metrics import RouterMetrics, refresh_gauges
@@ -72,6 +72,7 @@ DESCRIBE_TIMEOUT_S = 2.0
 class EncoderRouter:
     def __init__(self, config: AppConfig, encoder: DeploymentHandle, llm: DeploymentHandle | None, ladder: Ladder):
         start = time.perf_counter()
+        log_refusals_in_one_line()
         template = Template.spawn()  # first: it imports torch and transformers while this process does
         try:
             from .service import EncodeService  # torch, transformers: the whole encode path
@@ -117,9 +118,7 @@ class EncoderRouter:
     @api.post("/v1/encode")
     async def encode_http(self, body: EncodeRequest) -> Response:
         if body.model is not None and body.model != self.config.model.model_id:
-            raise RequestError(
-                404, f"model {body.model!r} is not served here; see /v1/models", "model", "invalid_request_error"
-            )
+            raise RequestError(404, f"model {body.model!r} is not served here; see /v1/models", "model")
         return await self.service.encode_http(body)
 
     @api.get("/health")
@@ -160,7 +159,7 @@ class EncoderRouter:
         if self.config.llm is not None and model_id == self.config.llm.model_id:
             detail["llm"] = await self._describe(self.llm)
         if not detail:
-            raise RequestError(404, f"model {model_id!r} is not served here; see /v1/models", "model", "not_found")
+            raise RequestError(404, f"model {model_id!r} is not served here; see /v1/models", "model")
         body = {"id": model_id, "object": "model", "owned_by": "vlm-encoder-serve", **detail}
         return Response(json.dumps(body, indent=2), media_type="application/json")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from .errors import RequestError
 
@@ -40,6 +40,14 @@ class EncodeRequest(_Body):
         None, description="safetensors only: the tensors' dtype (default: the model's)."
     )
     cache: bool = Field(True, description="Use the embedding cache and in-flight dedup for these items.")
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype_is_for_safetensors(cls, dtype: str | None, info: ValidationInfo) -> str | None:
+        """A dtype the JSON forms would ignore is refused, not dropped: they are always float32."""
+        if dtype is not None and info.data.get("encoding_format", "base64") != "safetensors":
+            raise ValueError("applies to encoding_format 'safetensors' only (the JSON forms are little-endian float32)")
+        return dtype
 
 
 class Embedding(BaseModel):

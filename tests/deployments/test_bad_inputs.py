@@ -297,6 +297,7 @@ CASES = [
     case("items empty", lambda: {"items": []}, 400, "items"),
     case("image not a string", lambda: second({"type": "image", "image": 123}), 400, "items[1]", "image"),
     case("encoding_format float16", lambda: {**one(GOOD_ITEM), "encoding_format": "float16"}, 400, "encoding_format"),
+    case("dtype with a JSON form", lambda: {**one(GOOD_ITEM), "dtype": "float16"}, 400, "dtype", "safetensors"),
     case("unknown top-level field", lambda: {"items": [GOOD_ITEM], "stream": True}, 400, "stream"),
     case("a model not served here", lambda: {**one(GOOD_ITEM), "model": "qwen3-vl-8b"}, 404, "model", "qwen3-vl-8b"),
     case("unknown field in an item", lambda: second({**GOOD_ITEM, "detail": "high"}), 400, "items[1]", "detail"),
@@ -611,3 +612,34 @@ def test_base64_with_line_breaks_is_accepted(urls, client, reference):
     """MIME-style base64 (76-column lines, as `base64.encodebytes` and coreutils write it) decodes as usual."""
     entry = encode_one(client, urls["default"], {"type": "image", "image": mime_base64(GOOD_FILE)})
     assert_matches_reference(entry, reference_image(*reference, GOOD_FILE))
+
+
+def test_a_refused_request_is_one_log_line_not_a_traceback():
+    """Serve logs what a replica method raises with its traceback; a `RequestError` is an answer:
+    the filter the router installs turns it into one line (INFO for 4xx, WARNING for 5xx), and
+    leaves real faults alone."""
+    import logging
+
+    from deployments.errors import item_error, log_refusals_in_one_line, overloaded
+
+    log_refusals_in_one_line()
+    log_refusals_in_one_line()  # once per process however often called
+    serve_logger = logging.getLogger("ray.serve")
+    assert sum(type(f).__name__ == "RefusalsInOneLine" for f in serve_logger.filters) == 1
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append  # Ray's "ray.serve" logger does not propagate to pytest's
+    serve_logger.addHandler(handler)
+    try:
+        for error in (item_error(0, 415, "PPM is not an allowed image format"), overloaded("busy", 1), KeyError("x")):
+            try:
+                raise error
+            except Exception:
+                serve_logger.exception("Request failed.")  # what Serve's replica writes
+    finally:
+        serve_logger.removeHandler(handler)
+    refused, busy, fault = records
+    assert (refused.levelname, refused.exc_info) == ("INFO", None)
+    assert refused.getMessage() == "request answered 415: items[0]: PPM is not an allowed image format"
+    assert (busy.levelname, busy.getMessage()) == ("WARNING", "request answered 503: busy")
+    assert fault.levelname == "ERROR" and fault.exc_info[0] is KeyError

@@ -273,6 +273,7 @@ def test_health_models_and_docs(app, url, serve_harness):
         assert 0 <= warmup["graphs_live"] <= warmup["graphs_total"] and warmup["ready_s"] > 0
         unknown = client.get(url + "/v1/models/gpt-4o")
         assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+        assert unknown.json()["error"]["type"] == "invalid_request_error"  # as /v1/encode's unknown model
         assert client.get(url + "/docs").status_code == 200
         assert "/v1/encode" in client.get(url + "/openapi.json").json()["paths"]
 
