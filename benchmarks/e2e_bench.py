@@ -215,14 +215,17 @@ CLIENT_START_S = 120.0
 
 
 class Window:
-    """The span a point's load ran, and the CPU seconds the Serve processes and this process used in it."""
+    """The span a point's load ran, and the CPU seconds the Serve processes, this process and the
+    whole host (every process: is the host's CPU the limit?) used in it."""
 
     def open(self) -> None:
         self.began, self.serve, self.own = time.perf_counter(), serve_cpu_seconds(), own_cpu_seconds()
+        self.host = host_busy_cpu_seconds()
 
     def close(self) -> None:
         self.elapsed = time.perf_counter() - self.began
         self.serve_used = {k: v - self.serve.get(k, 0.0) for k, v in serve_cpu_seconds().items()}
+        self.serve_used["host"] = host_busy_cpu_seconds() - self.host
         self.own_used = own_cpu_seconds() - self.own
 
 
@@ -358,6 +361,14 @@ SERVE_PROCESSES = (
 """Serve replicas (process titles `ray::ServeReplica:<app>:<deployment>`) and the routers' decode
 workers (`python -m deployments.decode_worker`) and HAProxy where it is the ingress
 (`RAY_SERVE_ENABLE_HA_PROXY=1`): their CPU use is recorded."""
+
+
+def host_busy_cpu_seconds() -> float:
+    """CPU seconds so far that this host's logical CPUs spent busy (not idle or waiting on I/O)."""
+    import psutil
+
+    times = psutil.cpu_times()._asdict()  # Linux counts guest time inside user time already
+    return sum(times.get(k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
 
 
 def serve_cpu_seconds() -> dict[str, float]:
@@ -1070,7 +1081,7 @@ def scaling_table(runs: dict[int, dict]) -> str:
     lines = [
         "| replicas | "
         + " | ".join(f"{i}: tok/s (c, p50 ms) | x{fewest}" for i in interfaces)
-        + " | routers' cores (with decode workers) |",
+        + " | routers' cores (with decode workers; the host's busy cores) |",
         "|---|" + "---|---|" * len(interfaces) + "---|",
     ]
     for n in sorted(runs):
@@ -1084,7 +1095,8 @@ def scaling_table(runs: dict[int, dict]) -> str:
             ratio = f"{point['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else ""
             cells += [f"{point['tokens_per_s']:.0f} ({level}, {point['p50_ms']:.0f})", ratio]
             used = point["cores_used"]
-            cores.append(f"{i} {used.get('EncoderRouter', 0) + used.get('decode_worker', 0):.1f}")
+            host = f"; {used['host']:.1f}" if "host" in used else ""
+            cores.append(f"{i} {used.get('EncoderRouter', 0) + used.get('decode_worker', 0):.1f}{host}")
         lines.append(f"| {n} | " + " | ".join(cells) + f" | {', '.join(cores)} |")
     killed = [(n, run["failover"]) for n, run in runs.items() if "failover" in run]
     for n, result in killed:

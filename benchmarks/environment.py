@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 import time
@@ -23,6 +24,7 @@ def environment() -> dict:
         "triton": _version("triton"),
         "cudnn": torch.backends.cudnn.version(),
         "python": platform.python_version(),
+        "cpus": os.cpu_count(),
         "http_ingress": http_ingress(),
         "date": time.strftime("%Y-%m-%d"),
     }
