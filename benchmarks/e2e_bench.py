@@ -225,7 +225,7 @@ class Window:
     def close(self) -> None:
         self.elapsed = time.perf_counter() - self.began
         self.serve_used = {k: v - self.serve.get(k, 0.0) for k, v in serve_cpu_seconds().items()}
-        self.serve_used["host"] = host_busy_cpu_seconds() - self.host
+        self.host_used = host_busy_cpu_seconds() - self.host
         self.own_used = own_cpu_seconds() - self.own
 
 
@@ -457,6 +457,7 @@ def _measure_interface(args, name, interface, how, requests, concurrencies, rows
             window.close()
         row = rows.setdefault(interface, {})[str(concurrency)] = summarize(samples, args.warmup, args.seconds)
         row["cores_used"] = {k: round(v / window.elapsed, 2) for k, v in window.serve_used.items()}
+        row["host_busy_cores"] = round(window.host_used / window.elapsed, 2)  # every process, of `cpus`
         callers = window.own_used + clients_cpu
         row["cores_used"]["benchmark_callers"] = round(callers / window.elapsed, 2)
         packing = ""
@@ -471,7 +472,8 @@ def _measure_interface(args, name, interface, how, requests, concurrencies, rows
         print(
             f"{name:8s} {interface:12s} c={concurrency:3d} {row['tokens_per_s']:10.0f} tok/s  "
             f"p50 {row['p50_ms']:8.1f} ms  p99 {row['p99_ms']:8.1f} ms  errors {row['errors']}  "
-            f"cores {row['cores_used']}  stages {row['server_timing_p50_ms'] or '-'}{packing}",
+            f"cores {row['cores_used']} host {row['host_busy_cores']}  "
+            f"stages {row['server_timing_p50_ms'] or '-'}{packing}",
             flush=True,
         )
         record.save()
@@ -1081,7 +1083,7 @@ def scaling_table(runs: dict[int, dict]) -> str:
     lines = [
         "| replicas | "
         + " | ".join(f"{i}: tok/s (c, p50 ms) | x{fewest}" for i in interfaces)
-        + " | routers' cores (with decode workers; the host's busy cores) |",
+        + " | routers' cores (with decode workers; the host's busy cores where recorded) |",
         "|---|" + "---|---|" * len(interfaces) + "---|",
     ]
     for n in sorted(runs):
@@ -1095,7 +1097,7 @@ def scaling_table(runs: dict[int, dict]) -> str:
             ratio = f"{point['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else ""
             cells += [f"{point['tokens_per_s']:.0f} ({level}, {point['p50_ms']:.0f})", ratio]
             used = point["cores_used"]
-            host = f"; {used['host']:.1f}" if "host" in used else ""
+            host = f"; host {point['host_busy_cores']:.1f}" if "host_busy_cores" in point else ""
             cores.append(f"{i} {used.get('EncoderRouter', 0) + used.get('decode_worker', 0):.1f}{host}")
         lines.append(f"| {n} | " + " | ".join(cells) + f" | {', '.join(cores)} |")
     killed = [(n, run["failover"]) for n, run in runs.items() if "failover" in run]
@@ -1154,6 +1156,8 @@ def main() -> None:
         help="client processes sharing each HTTP load (one Python process cannot read a fast service's responses)",
     )
     args = parser.parse_args()
+    if args.http_processes < 1 or args.handle_processes < 1:
+        parser.error("--http-processes and --handle-processes take 1 or more")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.replicas and len(args.replicas) > 1 and not args.report:
         if args.systems != "ours" or args.restart or args.replicas != sorted(args.replicas, reverse=True):
@@ -1182,9 +1186,9 @@ def main() -> None:
         print(report)
     if len(folders) > 1:
         scaling = {int(f.name.removeprefix("replicas_")): load_runs(f).get("ours", {}) for f in folders}
-        plot_scaling(scaling, args.out)
         report = scaling_table(scaling)
         (args.out / "scaling.md").write_text(report + "\n")
+        plot_scaling(scaling, args.out)
         print(report)
 
 

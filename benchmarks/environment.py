@@ -24,7 +24,7 @@ def environment() -> dict:
         "triton": _version("triton"),
         "cudnn": torch.backends.cudnn.version(),
         "python": platform.python_version(),
-        "cpus": os.cpu_count(),
+        "cpus": len(os.sched_getaffinity(0)),  # the CPUs this process may use
         "http_ingress": http_ingress(),
         "date": time.strftime("%Y-%m-%d"),
     }

@@ -23,7 +23,9 @@ FAILED_MARKERS = (
 REPLICA_FAILED = "Exception in Replica("
 """The controller's line for a replica whose constructor (or health check) raised; Serve retries."""
 REPLICA_GIVES_UP = 3
-"""Constructor failures of one replica after which Serve stops retrying it."""
+"""Constructor failures, of any replica of any deployment, after which a benchmark stops waiting.
+Serve itself retries up to 3 per replica of a deployment; replicas of one config fail alike, so
+three anywhere before the first answer say the start will not succeed soon."""
 
 
 def startup_failure(text: str, answered: bool) -> str | None:

@@ -43,14 +43,19 @@ def overloaded(message: str, retry_after_s: int, kind: type[RequestError] = Requ
     return kind(503, message, error_type="overloaded_error", headers={"Retry-After": str(retry_after_s)})
 
 
+SERVE_REQUEST_FAILED = "Request failed."
+"""The message Serve's replica logs, with the traceback, for whatever a replica method raised."""
+
+
 class RefusalsInOneLine(logging.Filter):
     """Serve logs every exception a replica method raises with its traceback (echoed to the
     caller's driver too); a `RequestError` is an answer, not a fault: one line, INFO for a 4xx,
-    WARNING for a 5xx. Added to the "ray.serve" logger, whose records Serve's replica writes."""
+    WARNING for a 5xx. Added to the "ray.serve" logger; only Serve's own "Request failed." record
+    is rewritten, never one of ours."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, RequestError):
+        error = record.exc_info[1] if isinstance(record.exc_info, tuple) else None
+        if record.msg == SERVE_REQUEST_FAILED and isinstance(error, RequestError):
             record.levelno = logging.INFO if error.status < 500 else logging.WARNING
             record.levelname = logging.getLevelName(record.levelno)
             record.msg, record.args = "request answered %d: %s", (error.status, error.message)

@@ -30,7 +30,7 @@ from models.tiny_checkpoint import build_preset_tokenizer
 
 from .config import AppConfig, LLMSettings
 from .encoder import resolve_dtype
-from .errors import RequestError
+from .errors import RequestError, log_refusals_in_one_line
 
 logger = logging.getLogger("ray.serve")
 
@@ -148,6 +148,7 @@ async def fetch_embeddings(refs: list, totals: dict) -> tuple[list[ItemOutput], 
 
 class LLMReplica:
     def __init__(self, config: AppConfig):
+        log_refusals_in_one_line()
         settings = config.llm
         self.device = settings.device
         self.model, self.tokenizer = load_language_model(

@@ -45,7 +45,9 @@ class EncodeRequest(_Body):
     @classmethod
     def _dtype_is_for_safetensors(cls, dtype: str | None, info: ValidationInfo) -> str | None:
         """A dtype the JSON forms would ignore is refused, not dropped: they are always float32."""
-        if dtype is not None and info.data.get("encoding_format", "base64") != "safetensors":
+        if "encoding_format" not in info.data:  # refused itself: that error is the one to report
+            return dtype
+        if dtype is not None and info.data["encoding_format"] != "safetensors":
             raise ValueError("applies to encoding_format 'safetensors' only (the JSON forms are little-endian float32)")
         return dtype
 

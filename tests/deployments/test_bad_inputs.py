@@ -636,9 +636,14 @@ def test_a_refused_request_is_one_log_line_not_a_traceback():
                 raise error
             except Exception:
                 serve_logger.exception("Request failed.")  # what Serve's replica writes
+        try:
+            raise overloaded("busy", 1)
+        except Exception:
+            serve_logger.exception("our own line about it")  # not Serve's: kept as written
     finally:
         serve_logger.removeHandler(handler)
-    refused, busy, fault = records
+    refused, busy, fault, ours = records
+    assert ours.levelname == "ERROR" and ours.getMessage() == "our own line about it" and ours.exc_info
     assert (refused.levelname, refused.exc_info) == ("INFO", None)
     assert refused.getMessage() == "request answered 415: items[0]: PPM is not an allowed image format"
     assert (busy.levelname, busy.getMessage()) == ("WARNING", "request answered 503: busy")
