@@ -787,7 +787,7 @@ def run_ours(args, requests: list[list]) -> list[Path]:
                 "ours",
                 {first: interfaces[first]},
                 requests,
-                [max(args.concurrency)],
+                [max(callers(args, counts[0]))],
                 {},
                 Discard(),
                 None,
@@ -809,7 +809,8 @@ def run_ours(args, requests: list[list]) -> list[Path]:
             chosen = {k: interfaces[k] for k in args.interfaces.split(",")}
             record["mixed"] = {}
             snapshot = lambda: counters(url)  # noqa: E731
-            measure(args, "ours", chosen, requests, args.concurrency, record["mixed"], record, snapshot, pools)
+            levels = callers(args, replicas)
+            measure(args, "ours", chosen, requests, levels, record["mixed"], record, snapshot, pools)
             record["handle_vs_http_max_rel_error"] = compare_handle_and_http(handle, url, requests[:16])
             if index == kill_at:
                 record["failover"] = failover(args, call, requests, service, startup["app"])
@@ -831,6 +832,14 @@ def run_ours(args, requests: list[list]) -> list[Path]:
         record["complete"] = True
         record.save()
     return folders
+
+
+def callers(args, replicas: int | None) -> list[int]:
+    """The concurrencies of the mixed load at `replicas` encoder replicas: `--callers-per-replica`
+    times the count (the same load per replica at every count), else `--concurrency`."""
+    if args.callers_per_replica and replicas:
+        return [args.callers_per_replica * replicas]
+    return args.concurrency
 
 
 def fixed_replicas(config: Path, replicas: int, out: Path) -> Path:
@@ -1155,7 +1164,16 @@ def main() -> None:
         default=8,
         help="client processes sharing each HTTP load (one Python process cannot read a fast service's responses)",
     )
+    parser.add_argument(
+        "--callers-per-replica",
+        type=int,
+        default=0,
+        help="with --replicas: the mixed load at this many callers per encoder replica (a closed loop "
+        "of fixed callers gives more replicas less each), instead of --concurrency",
+    )
     args = parser.parse_args()
+    if args.callers_per_replica and not args.replicas:
+        parser.error("--callers-per-replica needs --replicas")
     if args.http_processes < 1 or args.handle_processes < 1:
         parser.error("--http-processes and --handle-processes take 1 or more")
     args.out.mkdir(parents=True, exist_ok=True)
