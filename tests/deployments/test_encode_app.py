@@ -8,6 +8,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -439,10 +440,28 @@ def test_a_pack_that_fails_in_a_merged_forward_fails_alone(app, reference):
 
 
 def test_handle_refuses_unsupported_items_with_a_clear_error(app, url):
+    """The caller gets the error naming the item; the router logs each refusal as one line, not
+    Serve's "Request failed." with a traceback (which the caller's driver would echo too)."""
+    import ray
+
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path()) / "serve"
+
+    def router_log() -> str:
+        return "".join(p.read_text(errors="replace") for p in logs.glob(f"replica_{app.name}_EncoderRouter_*.log"))
+
+    before = router_log()
     handle = serve.get_app_handle(app.name)
-    for bad in (12345, "a string", {"type": "video", "frames": [1, 2]}, {"type": "audio"}):
+    bad_items = (12345, "a string", {"type": "video", "frames": [1, 2]}, {"type": "audio"})
+    for bad in bad_items:
         with pytest.raises(Exception, match=r"items\[0\]: unsupported item"):
             handle.encode.remote([bad]).result()
+    answered = "request answered 400: items[0]: unsupported item"
+    deadline = time.monotonic() + 10  # log lines reach the file a moment after the answer
+    while router_log().count(answered) - before.count(answered) < len(bad_items) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    after = router_log()
+    assert after.count(answered) - before.count(answered) == len(bad_items)
+    assert after.count("Request failed.") == before.count("Request failed.")
 
 
 def test_chat_on_a_deployment_without_an_llm_is_404(url, serve_harness):
