@@ -51,7 +51,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.environment import environment  # noqa: E402
-from benchmarks.serve_log import MARKERS, ray_address, startup_failure  # noqa: E402
+from benchmarks.serve_log import MARKERS, ray_address, startup_failure, startup_lines  # noqa: E402
 
 SIZES = [(224, 224), (448, 448), (640, 480), (800, 600), (1024, 768), (1280, 720), (1920, 1080)]
 VIDEO_SHARE = 0.1
@@ -507,9 +507,8 @@ class ServeRun:
     def _watch(self) -> None:
         while not self._stop.wait(0.1):
             text = self.log.read_text(errors="replace")
-            for key, marker in MARKERS.items():
-                if key not in self.seen and marker in text:
-                    self.seen[key] = round(time.monotonic() - self.started, 1)
+            for key in startup_lines(text) - set(self.seen):
+                self.seen[key] = round(time.monotonic() - self.started, 1)
             self.address = self.address or ray_address(text)
             self.failed = startup_failure(text, self.answered)
 
@@ -706,7 +705,7 @@ def failover(args, call, requests: list[list], service: ServeRun, app: str) -> d
     victims = encoder_replica_pids(app)
     if len(victims) < 2:
         return {"skipped": f"{len(victims)} encoder replica(s): the survivor must carry the load"}
-    concurrency, ready_mark = max(args.concurrency), MARKERS["encoder_ready_s"]
+    concurrency, ready_mark = max(callers(args, len(victims))), MARKERS["encoder_ready_s"]
     readies = service.log.read_text(errors="replace").count(ready_mark)
     killed: dict[str, float] = {}
 

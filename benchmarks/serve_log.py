@@ -28,6 +28,11 @@ Serve itself retries up to 3 per replica of a deployment; replicas of one config
 three anywhere before the first answer say the start will not succeed soon."""
 
 
+def startup_lines(text: str) -> set[str]:
+    """The keys of `MARKERS` whose lines `text` (the log so far) holds."""
+    return {key for key, marker in MARKERS.items() if marker in text}
+
+
 def startup_failure(text: str, answered: bool) -> str | None:
     """Why the service in `text` (the log so far) will not start, or None. Replica failures count
     only before the service first `answered`: after it, one is a failover (a killed replica)."""
