@@ -69,11 +69,20 @@ def decode_over_the_limit(pool: DecodePool) -> RequestError:
     return refused.value
 
 
+def running(process: psutil.Process | int) -> bool:
+    """Whether `process` is alive and not a zombie; one reaped between listing and reading is not."""
+    try:
+        process = psutil.Process(process) if isinstance(process, int) else process
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def live_children(pid: int, count: int, timeout_s: float = 10.0) -> set[int]:
     """The pids of `pid`'s children once exactly `count` are running (a killed one takes a moment)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        found = {p.pid for p in psutil.Process(pid).children() if p.status() != psutil.STATUS_ZOMBIE}
+        found = {child.pid for child in psutil.Process(pid).children() if running(child)}
         if len(found) == count or time.monotonic() > deadline:
             return found
         time.sleep(0.05)
@@ -98,7 +107,7 @@ def test_a_new_template_starts_when_the_old_one_is_gone(pool):
     old = pool.describe()["template_pid"]
     os.kill(old, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while psutil.pid_exists(old) and psutil.Process(old).status() != psutil.STATUS_ZOMBIE:
+    while running(old):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert decode_over_the_limit(pool).status == 413  # its worker is replaced: from a new template
