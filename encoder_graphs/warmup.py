@@ -122,8 +122,12 @@ class WarmUp:
         self.stage_seconds["prepare"] = round(time.perf_counter() - start, 3)
         progress(
             f"prepared in {self.stage_seconds['prepare']:.1f} s: every pack runs eagerly until its graph is live "
-            f"({len(runner.table.entries)} graphs to warm up)"
+            f"({len(runner.table.entries)} graphs to warm up{self._no_cuda_graphs()})"
         )
+
+    def _no_cuda_graphs(self) -> str:
+        """What a "graph" is without CUDA graphs, for the log: a padded budget run eagerly."""
+        return "" if self.runner.use_graphs else "; no CUDA graphs here: a graph is a padded budget run eagerly"
 
     # ---- the background warm-up ----
 
@@ -160,6 +164,7 @@ class WarmUp:
         progress(
             f"full speed {time.perf_counter() - start:.1f} s into the warm-up: {status.graphs_live}/"
             f"{status.graphs_total} graphs live, compiled {status.compiled}, exact route {status.exact_route}"
+            f"{self._no_cuda_graphs()}"
         )
         return status
 
