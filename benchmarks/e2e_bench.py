@@ -51,7 +51,15 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.environment import environment  # noqa: E402
-from benchmarks.serve_log import MARKERS, ray_address, startup_failure, startup_lines  # noqa: E402
+from benchmarks.serve_log import (  # noqa: E402
+    MARKERS,
+    SLOW_PROBE,
+    occurrences,
+    ray_address,
+    startup_failure,
+    startup_lines,
+)
+from benchmarks.service_counters import counted_between  # noqa: E402
 
 SIZES = [(224, 224), (448, 448), (640, 480), (800, 600), (1024, 768), (1280, 720), (1920, 1080)]
 VIDEO_SHARE = 0.1
@@ -641,8 +649,8 @@ def compare_handle_and_http(handle, url: str, requests: list[list]) -> float:
 
 
 def counters(url: str) -> dict:
-    """The service's cumulative pack and forward counters (one router's, the replica's), as
-    `/v1/models/{id}` reports them: requests per pack, packs per forward, routes taken."""
+    """The service's cumulative pack and forward counters (one router's, one replica's description,
+    every replica's work report), as `/v1/models/{id}` reports them."""
     import httpx
 
     try:
@@ -660,35 +668,8 @@ def counters(url: str) -> dict:
         "router_pid": router.get("pid"),
         "router_packs": router.get("packs"),
         "replica": {k: replica.get(k) for k in keep},
+        "replicas": detail.get("replica_work") or {},  # every replica's, from the reports routers route by
     }
-
-
-MERGED = ("merged_requests", "merged_packs")
-
-
-def counted_between(before: dict, after: dict) -> dict:
-    """What the counters grew by over one point (its warm-up included), where the same router
-    and replica answered both snapshots: requests per router pack, and per forward (packs from
-    several routers merged into one run of the encoder), with the forward thread's seconds."""
-    window = {}
-    router, router_after = before.get("router_packs") or {}, after.get("router_packs") or {}
-    packs = router_after.get("packs", 0) - router.get("packs", 0)
-    if before.get("router_pid") == after.get("router_pid") and "requests" in router and packs > 0:
-        window["router_packs"] = packs
-        window["requests_per_pack"] = round((router_after["requests"] - router["requests"]) / packs, 2)
-    replica, replica_after = before.get("replica") or {}, after.get("replica") or {}
-    forwards = (replica_after.get("forwards") or 0) - (replica.get("forwards") or 0)
-    counted = all(side.get(k) is not None for side in (replica, replica_after) for k in MERGED)
-    fresh = replica.get("stale_s") is None and replica_after.get("stale_s") is None  # not a cached description
-    if replica.get("pid") == replica_after.get("pid") and counted and fresh and forwards > 0:
-        window["forwards"] = forwards
-        window["requests_per_forward"] = round(
-            (replica_after["merged_requests"] - replica["merged_requests"]) / forwards, 2
-        )
-        window["packs_per_forward"] = round((replica_after["merged_packs"] - replica["merged_packs"]) / forwards, 2)
-        steps, earlier = replica_after.get("step_seconds") or {}, replica.get("step_seconds") or {}
-        window["step_seconds"] = {k: round(v - earlier.get(k, 0.0), 3) for k, v in steps.items()}
-    return window
 
 
 def encoder_replica_pids(app: str) -> list[int]:
@@ -807,7 +788,11 @@ def run_ours(args, requests: list[list]) -> list[Path]:
                 )
             chosen = {k: interfaces[k] for k in args.interfaces.split(",")}
             record["mixed"] = {}
-            snapshot = lambda: counters(url)  # noqa: E731
+
+            def snapshot() -> dict:
+                probes = occurrences(service.log.read_text(errors="replace"), SLOW_PROBE)
+                return {**counters(url), "slow_queue_probes": probes}
+
             levels = callers(args, replicas)
             measure(args, "ours", chosen, requests, levels, record["mixed"], record, snapshot, pools)
             record["handle_vs_http_max_rel_error"] = compare_handle_and_http(handle, url, requests[:16])

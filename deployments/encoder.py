@@ -30,6 +30,7 @@ from models.protocol import ItemOutput, ItemSpec, from_wire, to_wire
 
 from .config import AppConfig
 from .metrics import EncoderMetrics, refresh_gauges
+from .object_store import prefault
 
 logger = logging.getLogger("ray.serve")
 
@@ -134,6 +135,15 @@ def load_encoder(config: AppConfig):
     return encoder
 
 
+def _prefault_object_store(stop: threading.Event) -> None:
+    try:
+        done = prefault(stop=stop)
+    except OSError as error:
+        logger.warning("object store not prefaulted: %s", error)
+        return
+    logger.info("object store prefaulted: %.1f GiB in %.1f s", done.bytes / 2**30, done.seconds)
+
+
 class EncoderReplica:
     def __init__(self, config: AppConfig, ladder: Ladder):
         start = time.perf_counter()
@@ -159,6 +169,8 @@ class EncoderReplica:
         self.forwards = 0
         self.merged_packs = 0
         self.merged_requests = 0
+        self.tokens = 0
+        """Vision tokens of the packs run (failed ones too)."""
         self.seconds = {"preprocess": 0.0, "run": 0.0, "store": 0.0}
         """Cumulative wall seconds of each step of a forward (the device is busy at most in "run")."""
         self._counter_lock = threading.Lock()
@@ -167,6 +179,8 @@ class EncoderReplica:
         self._inflight_tokens = 0
         self._stop_gauges = refresh_gauges(self._set_gauges)
         self.actor_id = ray.get_runtime_context().get_actor_id()
+        if config.model.prefault_object_store:
+            threading.Thread(target=_prefault_object_store, args=(self._stop_warmup,), daemon=True).start()
         self.ready_s = time.perf_counter() - start
         status = self.runner.warmup_status()
         if self.runner.use_graphs:
@@ -219,6 +233,7 @@ class EncoderReplica:
                 self.forwards += 1
                 self.merged_packs += len(batch)
                 self.merged_requests += sum(waiting.pack.requests for waiting in batch)
+                self.tokens += sum(waiting.pack.tokens for waiting in batch)
                 store = asyncio.get_running_loop().create_task(self._deliver(batch, ran))
                 self._storing.add(store)
                 store.add_done_callback(self._storing.discard)
@@ -374,6 +389,22 @@ class EncoderReplica:
             "queued_tokens": self._queued_tokens + self._inflight_tokens,
             "live_budgets": list(self.runner.live_budgets()),  # budgets whose packs replay a live graph
             "warmup": self._warmup_summary(),  # for the routers' `/v1/models`, one entry per replica
+            "work": self._work_summary(),  # likewise: what each replica did, for rates between two reports
+        }
+
+    def _work_summary(self) -> dict:
+        """Cumulative counters, stamped with this host's clock: the difference of two reports is
+        one replica's forwards, tokens and busy seconds over the time between them."""
+        with self._counter_lock:
+            seconds = {step: round(value, 3) for step, value in self.seconds.items()}
+        return {
+            "pid": os.getpid(),
+            "at": round(time.time(), 3),
+            "forwards": self.forwards,
+            "merged_packs": self.merged_packs,
+            "merged_requests": self.merged_requests,
+            "tokens": self.tokens,
+            "step_seconds": seconds,
         }
 
     def _warmup_summary(self) -> dict:
@@ -403,6 +434,7 @@ class EncoderReplica:
             "forwards": self.forwards,
             "merged_packs": self.merged_packs,
             "merged_requests": self.merged_requests,
+            "tokens": self.tokens,
             "packs_per_forward": round(self.merged_packs / self.forwards, 3) if self.forwards else 0.0,
             # packs from different routers hold different requests: what packing across callers achieves
             # (an upper bound where one request's items went in two packs of one forward)

@@ -147,12 +147,14 @@ class EncoderRouter:
         """The encoder's (or the LLM's) state: replicas, warm-up, packing, cache, decode pool."""
         detail = {}
         if model_id == self.config.model.model_id:
+            reports = replica_reports()
             detail["encoder"] = {
                 "family": self.service.family,
                 "budgets": list(self.ladder),
                 "replicas": self.fleet.states,
                 # every replica's warm-up as its last routing report gave it (the `replica` below is one)
-                "replica_warmup": {rid: r["warmup"] for rid, r in replica_reports().items() if "warmup" in r},
+                "replica_warmup": {rid: r["warmup"] for rid, r in reports.items() if "warmup" in r},
+                "replica_work": {rid: r["work"] for rid, r in reports.items() if "work" in r},
                 "router": self.router_stats(),
                 "replica": await self._describe(self.encoder),
             }

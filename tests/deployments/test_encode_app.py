@@ -272,6 +272,10 @@ def test_health_models_and_docs(app, url, serve_harness):
         [warmup] = detail["replica_warmup"].values()
         assert warmup["pid"] == detail["replica"]["pid"] and warmup["graphs_total"] == detail["replica"]["graphs"]
         assert 0 <= warmup["graphs_live"] <= warmup["graphs_total"] and warmup["ready_s"] > 0
+        # and what each replica did, stamped with its clock, for rates between two readings
+        [work] = detail["replica_work"].values()
+        assert work["pid"] == detail["replica"]["pid"] and work["at"] > 0
+        assert 0 <= work["forwards"] <= work["merged_packs"] and work["tokens"] >= 0 and "store" in work["step_seconds"]
         unknown = client.get(url + "/v1/models/gpt-4o")
         assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
         assert unknown.json()["error"]["type"] == "invalid_request_error"  # as /v1/encode's unknown model

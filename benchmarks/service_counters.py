@@ -1,0 +1,66 @@
+"""What the service's own counters grew by over one benchmark point: two snapshots of
+`/v1/models/{id}` (one router's packs, one replica's description, and every encoder replica's
+work report) and of `serve run`'s log, differenced."""
+
+from __future__ import annotations
+
+MERGED = ("merged_requests", "merged_packs")
+
+
+def counted_between(before: dict, after: dict) -> dict:
+    """What the counters grew by over one point (its warm-up included), where the same router
+    and replica answered both snapshots: requests per router pack, and per forward (packs from
+    several routers merged into one run of the encoder), with the forward thread's seconds;
+    each replica's rates from its own reports; Serve's slow queue-length probes logged."""
+    window = {}
+    router, router_after = before.get("router_packs") or {}, after.get("router_packs") or {}
+    packs = router_after.get("packs", 0) - router.get("packs", 0)
+    if before.get("router_pid") == after.get("router_pid") and "requests" in router and packs > 0:
+        window["router_packs"] = packs
+        window["requests_per_pack"] = round((router_after["requests"] - router["requests"]) / packs, 2)
+    replica, replica_after = before.get("replica") or {}, after.get("replica") or {}
+    forwards = (replica_after.get("forwards") or 0) - (replica.get("forwards") or 0)
+    counted = all(side.get(k) is not None for side in (replica, replica_after) for k in MERGED)
+    fresh = replica.get("stale_s") is None and replica_after.get("stale_s") is None  # not a cached description
+    if replica.get("pid") == replica_after.get("pid") and counted and fresh and forwards > 0:
+        window["forwards"] = forwards
+        window["requests_per_forward"] = round(
+            (replica_after["merged_requests"] - replica["merged_requests"]) / forwards, 2
+        )
+        window["packs_per_forward"] = round((replica_after["merged_packs"] - replica["merged_packs"]) / forwards, 2)
+        steps, earlier = replica_after.get("step_seconds") or {}, replica.get("step_seconds") or {}
+        window["step_seconds"] = {k: round(v - earlier.get(k, 0.0), 3) for k, v in steps.items()}
+    rates = replica_rates(before.get("replicas") or {}, after.get("replicas") or {})
+    if rates:
+        window["replicas"] = rates
+    if "slow_queue_probes" in before and "slow_queue_probes" in after:
+        window["slow_queue_probes"] = after["slow_queue_probes"] - before["slow_queue_probes"]
+    return window
+
+
+def replica_rates(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
+    """Each encoder replica's work between two of its reports (by replica id; the same process,
+    timed by its own clock): tokens/s, forwards, requests per forward, the share of the time each
+    step of a forward took (`run` near 1: the device was kept busy; `store` runs beside the next
+    forward) and its ms per forward."""
+    rates = {}
+    for replica_id, last in after.items():
+        first = before.get(replica_id)
+        if not first or first.get("pid") != last.get("pid"):
+            continue
+        span = last["at"] - first["at"]
+        forwards = last["forwards"] - first["forwards"]
+        if span <= 0:
+            continue
+        steps = {k: v - first["step_seconds"].get(k, 0.0) for k, v in last["step_seconds"].items()}
+        rate = {
+            "seconds": round(span, 2),
+            "tokens_per_s": round((last["tokens"] - first["tokens"]) / span),
+            "forwards": forwards,
+            "share": {k: round(v / span, 3) for k, v in steps.items()},
+        }
+        if forwards > 0:
+            rate["requests_per_forward"] = round((last["merged_requests"] - first["merged_requests"]) / forwards, 2)
+            rate["ms_per_forward"] = {k: round(1e3 * v / forwards, 1) for k, v in steps.items()}
+        rates[replica_id] = rate
+    return rates
