@@ -26,18 +26,20 @@ REPLICA_GIVES_UP = 3
 """Constructor failures, of any replica of any deployment, after which a benchmark stops waiting.
 Serve itself retries up to 3 per replica of a deployment; replicas of one config fail alike, so
 three anywhere before the first answer say the start will not succeed soon."""
-SLOW_PROBE = "Failed to get queue length from Replica"
+SLOW_PROBE = ("Failed to get queue length from Replica", "deployment='EncoderReplica'")
 """A router's line for an encoder replica that did not answer Serve's queue-length probe within
-its deadline (0.1 s by default): that replica's event loop was held up."""
+its deadline (0.1 s by default): that replica's event loop was held up. Ray prints a folded
+"[repeated Nx]" line up to ~5 s after the lines it stands for: a count between two readings
+may include some from before the first."""
 REPEATED = re.compile(r"\[repeated (\d+)x across cluster\]")
 
 
-def occurrences(text: str, marker: str) -> int:
-    """How many times `marker` was logged: Ray folds repeats into one line marked
-    "[repeated Nx across cluster]", which counts N."""
+def occurrences(text: str, markers: tuple[str, ...]) -> int:
+    """How many lines holding every one of `markers` were logged: Ray folds repeats into one line
+    marked "[repeated Nx across cluster]", which counts N."""
     count = 0
     for line in text.splitlines():
-        if marker in line:
+        if all(marker in line for marker in markers):
             repeated = REPEATED.search(line)
             count += int(repeated.group(1)) if repeated else 1
     return count

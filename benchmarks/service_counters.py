@@ -8,10 +8,9 @@ MERGED = ("merged_requests", "merged_packs")
 
 
 def counted_between(before: dict, after: dict) -> dict:
-    """What the counters grew by over one point (its warm-up included), where the same router
-    and replica answered both snapshots: requests per router pack, and per forward (packs from
-    several routers merged into one run of the encoder), with the forward thread's seconds;
-    each replica's rates from its own reports; Serve's slow queue-length probes logged."""
+    """What the counters grew by over one point (its warm-up included): requests per router pack
+    and per forward where the same router and replica answered both snapshots, every replica's
+    rates from its own reports, and Serve's slow queue-length probes logged meanwhile."""
     window = {}
     router, router_after = before.get("router_packs") or {}, after.get("router_packs") or {}
     packs = router_after.get("packs", 0) - router.get("packs", 0)
@@ -39,28 +38,36 @@ def counted_between(before: dict, after: dict) -> dict:
 
 
 def replica_rates(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
-    """Each encoder replica's work between two of its reports (by replica id; the same process,
-    timed by its own clock): tokens/s, forwards, requests per forward, the share of the time each
-    step of a forward took (`run` near 1: the device was kept busy; `store` runs beside the next
-    forward) and its ms per forward."""
+    """Each encoder replica's work between two of its reports (same process, its own clock):
+    tokens/s, forwards, requests per forward, each step's share of the time and ms per forward.
+    `run` near 1: the device was kept busy; `store` runs beside later forwards (it may exceed 1)."""
     rates = {}
     for replica_id, last in after.items():
         first = before.get(replica_id)
         if not first or first.get("pid") != last.get("pid"):
             continue
-        span = last["at"] - first["at"]
-        forwards = last["forwards"] - first["forwards"]
-        if span <= 0:
+        try:
+            rate = _rate(first, last)
+        except (KeyError, TypeError):  # a report without these fields (another version's replica)
             continue
-        steps = {k: v - first["step_seconds"].get(k, 0.0) for k, v in last["step_seconds"].items()}
-        rate = {
-            "seconds": round(span, 2),
-            "tokens_per_s": round((last["tokens"] - first["tokens"]) / span),
-            "forwards": forwards,
-            "share": {k: round(v / span, 3) for k, v in steps.items()},
-        }
-        if forwards > 0:
-            rate["requests_per_forward"] = round((last["merged_requests"] - first["merged_requests"]) / forwards, 2)
-            rate["ms_per_forward"] = {k: round(1e3 * v / forwards, 1) for k, v in steps.items()}
-        rates[replica_id] = rate
+        if rate is not None:
+            rates[replica_id] = rate
     return rates
+
+
+def _rate(first: dict, last: dict) -> dict | None:
+    span = last["at"] - first["at"]
+    forwards = last["forwards"] - first["forwards"]
+    if span <= 0:
+        return None
+    steps = {k: v - first["step_seconds"].get(k, 0.0) for k, v in last["step_seconds"].items()}
+    rate = {
+        "seconds": round(span, 2),
+        "tokens_per_s": round((last["tokens"] - first["tokens"]) / span),
+        "forwards": forwards,
+        "share": {k: round(v / span, 3) for k, v in steps.items()},
+    }
+    if forwards > 0:
+        rate["requests_per_forward"] = round((last["merged_requests"] - first["merged_requests"]) / forwards, 2)
+        rate["ms_per_forward"] = {k: round(1e3 * v / forwards, 1) for k, v in steps.items()}
+    return rate

@@ -141,7 +141,8 @@ def _prefault_object_store(stop: threading.Event) -> None:
     except OSError as error:
         logger.warning("object store not prefaulted: %s", error)
         return
-    logger.info("object store prefaulted: %.1f GiB in %.1f s", done.bytes / 2**30, done.seconds)
+    what = "prefaulted" if done.complete else "prefault stopped after"
+    logger.info("object store %s %.1f GiB in %.1f s", what, done.bytes / 2**30, done.seconds)
 
 
 class EncoderReplica:
@@ -180,7 +181,9 @@ class EncoderReplica:
         self._stop_gauges = refresh_gauges(self._set_gauges)
         self.actor_id = ray.get_runtime_context().get_actor_id()
         if config.model.prefault_object_store:
-            threading.Thread(target=_prefault_object_store, args=(self._stop_warmup,), daemon=True).start()
+            threading.Thread(
+                target=_prefault_object_store, args=(self._stop_warmup,), name="object-store-prefault", daemon=True
+            ).start()
         self.ready_s = time.perf_counter() - start
         status = self.runner.warmup_status()
         if self.runner.use_graphs:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 MADV_POPULATE_WRITE = 23
-CHUNK_BYTES = 1 << 30
+CHUNK_BYTES = 256 << 20
 """Bytes per `madvise` call: a stop request waits for at most one."""
 STORE_PREFIX = "/dev/shm/plasma"
 """Where Ray puts the store's file; one it had to put elsewhere (a small /dev/shm) is on disk, left alone."""
@@ -25,6 +25,8 @@ STORE_PREFIX = "/dev/shm/plasma"
 class Prefaulted:
     bytes: int
     seconds: float
+    complete: bool
+    """False where `stop` ended it early."""
 
 
 def store_mappings(maps: str) -> list[tuple[int, int]]:
@@ -40,12 +42,17 @@ def store_mappings(maps: str) -> list[tuple[int, int]]:
 
 def prefault(limit_bytes: int | None = None, stop: threading.Event | None = None) -> Prefaulted:
     """Map every page of this process's object-store mappings (at most `limit_bytes` of them),
-    a chunk at a time until `stop` is set. OSError where the kernel cannot (before 5.14) or no
-    store is mapped (Ray not initialized here)."""
-    with open("/proc/self/maps") as maps:
-        ranges = store_mappings(maps.read())
+    a chunk at a time until `stop` is set. OSError where the kernel cannot (before 5.14) or the
+    store is not in /dev/shm (Ray not initialized here, or it put the store on disk)."""
+    ranges = _mapped()
+    if not ranges:  # Ray maps the store on a process's first object in it
+        import numpy as np
+        import ray
+
+        ray.put(np.empty(1 << 20, np.uint8))  # too large to be kept inline
+        ranges = _mapped()
     if not ranges:
-        raise OSError("no object store mapped in this process")
+        raise OSError("no object store in /dev/shm mapped in this process")
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     left = sum(end - start for start, end in ranges) if limit_bytes is None else limit_bytes
@@ -54,9 +61,14 @@ def prefault(limit_bytes: int | None = None, stop: threading.Event | None = None
         for chunk in range(start, end, CHUNK_BYTES):
             size = min(CHUNK_BYTES, end - chunk, left - done)
             if size <= 0 or (stop is not None and stop.is_set()):
-                return Prefaulted(done, time.perf_counter() - began)
+                return Prefaulted(done, time.perf_counter() - began, size <= 0)
             if libc.madvise(chunk, size, MADV_POPULATE_WRITE) != 0:  # ctypes releases the GIL meanwhile
                 errno = ctypes.get_errno()
                 raise OSError(errno, f"madvise(MADV_POPULATE_WRITE) on the object store: {os.strerror(errno)}")
             done += size
-    return Prefaulted(done, time.perf_counter() - began)
+    return Prefaulted(done, time.perf_counter() - began, True)
+
+
+def _mapped() -> list[tuple[int, int]]:
+    with open("/proc/self/maps") as maps:
+        return store_mappings(maps.read())

@@ -27,9 +27,13 @@ def test_each_replica_is_timed_by_its_own_reports():
     assert rates["b"]["tokens_per_s"] == 20_000 and rates["b"]["ms_per_forward"]["store"] == 500.0
 
 
-def test_a_restarted_or_new_replica_is_left_out():
-    before = {"a": work(11, 100.0, 10, 30, 50_000, 5.0, 1.0)}
-    after = {"a": work(99, 110.0, 3, 3, 9_000, 0.5, 0.1), "c": work(13, 110.0, 5, 5, 9_000, 0.5, 0.1)}
+def test_a_restarted_new_or_older_replica_is_left_out():
+    before = {"a": work(11, 100.0, 10, 30, 50_000, 5.0, 1.0), "d": {"pid": 14, "forwards": 3}}
+    after = {
+        "a": work(99, 110.0, 3, 3, 9_000, 0.5, 0.1),
+        "c": work(13, 110.0, 5, 5, 9_000, 0.5, 0.1),
+        "d": {"pid": 14, "forwards": 9},
+    }
     assert replica_rates(before, after) == {}
 
 
@@ -50,8 +54,11 @@ PROBES = (
     "deployment='EncoderReplica', app='encoder') within 0.1s. If this happens repeatedly it's likely "
     "caused by high network latency in the cluster.\x1b[32m [repeated 7x across cluster]\x1b[0m\n"
     "(ServeController pid=1914) INFO 2026-11-27 01:36:21,833 controller 1914 -- Adding 4 replicas.\n"
+    "\x1b[36m(ServeReplica:encoder:EncoderRouter pid=1943)\x1b[0m WARNING 2026-11-27 01:39:57,100 "
+    "encoder_EncoderRouter c834qyes -- Failed to get queue length from Replica(id='q1w2e3r4', "
+    "deployment='LLMServer', app='encoder') within 0.1s.\n"
 )
 
 
-def test_folded_repeats_count_as_often_as_ray_says():
+def test_folded_repeats_count_as_often_as_ray_says_and_only_the_encoders_probes_count():
     assert occurrences(PROBES, SLOW_PROBE) == 8
