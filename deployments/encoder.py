@@ -431,18 +431,13 @@ class EncoderReplica:
             "device": str(self.encoder.device),
             "dtype": str(self.encoder.dtype).removeprefix("torch."),
             "ready_s": round(self.ready_s, 2),
-            "pid": os.getpid(),
             "queued_tokens": self._queued_tokens,
             "inflight_tokens": self._inflight_tokens,
-            "forwards": self.forwards,
-            "merged_packs": self.merged_packs,
-            "merged_requests": self.merged_requests,
-            "tokens": self.tokens,
+            **self._work_summary(),  # pid, forwards, merged packs and requests, tokens, step seconds
             "packs_per_forward": round(self.merged_packs / self.forwards, 3) if self.forwards else 0.0,
             # packs from different routers hold different requests: what packing across callers achieves
             # (an upper bound where one request's items went in two packs of one forward)
             "requests_per_forward": round(self.merged_requests / self.forwards, 3) if self.forwards else 0.0,
-            "step_seconds": {step: round(seconds, 3) for step, seconds in self.seconds.items()},
             **self.runner.describe(),
         }
 

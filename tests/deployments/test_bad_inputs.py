@@ -298,6 +298,12 @@ CASES = [
     case("image not a string", lambda: second({"type": "image", "image": 123}), 400, "items[1]", "image"),
     case("encoding_format float16", lambda: {**one(GOOD_ITEM), "encoding_format": "float16"}, 400, "encoding_format"),
     case("dtype with a JSON form", lambda: {**one(GOOD_ITEM), "dtype": "float16"}, 400, "dtype", "safetensors"),
+    case(
+        "an unknown encoding_format with a dtype",
+        lambda: {**one(GOOD_ITEM), "encoding_format": "npy", "dtype": "float16"},
+        400,
+        "encoding_format",
+    ),
     case("unknown top-level field", lambda: {"items": [GOOD_ITEM], "stream": True}, 400, "stream"),
     case("a model not served here", lambda: {**one(GOOD_ITEM), "model": "qwen3-vl-8b"}, 404, "model", "qwen3-vl-8b"),
     case("unknown field in an item", lambda: second({**GOOD_ITEM, "detail": "high"}), 400, "items[1]", "detail"),
