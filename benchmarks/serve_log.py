@@ -8,6 +8,7 @@ import re
 MARKERS = {
     "ray_started_s": "Started a local Ray instance",
     "serve_started_s": "Started Serve",
+    "encoder_added_s": "to Deployment(name='EncoderReplica'",  # the controller starts its first replica
     "encoder_ready_s": "encoder replica ready",
     "graphs_live_s": "warm-up: graphs done",  # the first replica's graphs all tried (live unless refused)
     "full_speed_logged_s": "into the warm-up:",

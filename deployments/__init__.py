@@ -2,3 +2,9 @@
 
 Kept import-light: Serve's controller imports `deployments.autoscaling` on its own.
 """
+
+import time
+
+IMPORTED_AT = time.time()
+"""When this process first imported the package: a replica's constructor start minus this is the
+time its deployment's imports took (torch, transformers, model code)."""

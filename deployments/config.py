@@ -54,14 +54,6 @@ class ModelSettings(_Strict):
         "op of a forward releases the GIL and takes it back; at Python's default 5 ms, a busy event loop or "
         "the background compile holds it meanwhile and small ops wait hundreds of times longer than they run.",
     )
-    prefault_object_store: bool = Field(
-        False,
-        description="Each encoder replica maps every page of Ray's object store in the background at start "
-        "(`madvise(MADV_POPULATE_WRITE)`, Linux 5.14+): until a process has touched the whole store, its "
-        "`ray.put` of results faults a page per 4 KiB. The store's pages become resident at once (its "
-        "size: `ray start --object-store-memory`, by default 30% of RAM) and each replica holds page tables "
-        "for all of it (2 MiB per GiB).",
-    )
 
     @model_validator(mode="after")
     def _check_preset(self) -> ModelSettings:

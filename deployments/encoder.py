@@ -30,7 +30,7 @@ from models.protocol import ItemOutput, ItemSpec, from_wire, to_wire
 
 from .config import AppConfig
 from .metrics import EncoderMetrics, refresh_gauges
-from .object_store import prefault
+from .process import before_constructor
 
 logger = logging.getLogger("ray.serve")
 
@@ -135,19 +135,10 @@ def load_encoder(config: AppConfig):
     return encoder
 
 
-def _prefault_object_store(stop: threading.Event) -> None:
-    try:
-        done = prefault(stop=stop)
-    except OSError as error:
-        logger.warning("object store not prefaulted: %s", error)
-        return
-    what = "prefaulted" if done.complete else "prefault stopped after"
-    logger.info("object store %s %.1f GiB in %.1f s", what, done.bytes / 2**30, done.seconds)
-
-
 class EncoderReplica:
     def __init__(self, config: AppConfig, ladder: Ladder):
         start = time.perf_counter()
+        self.before = before_constructor()
         sys.setswitchinterval(config.model.switch_interval_ms / 1e3)
         if config.model.device == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -180,10 +171,6 @@ class EncoderReplica:
         self._inflight_tokens = 0
         self._stop_gauges = refresh_gauges(self._set_gauges)
         self.actor_id = ray.get_runtime_context().get_actor_id()
-        if config.model.prefault_object_store:
-            threading.Thread(
-                target=_prefault_object_store, args=(self._stop_warmup,), name="object-store-prefault", daemon=True
-            ).start()
         self.ready_s = time.perf_counter() - start
         status = self.runner.warmup_status()
         if self.runner.use_graphs:
@@ -194,10 +181,13 @@ class EncoderReplica:
         else:  # nothing to capture on this device: the table's budgets still shape the packs
             then = f"packs run eagerly ({self.encoder.device.type}: no CUDA graphs)"
         logger.info(
-            "encoder replica ready in %.1f s (weights %.1f s, prepare %.1f s): %s",
+            "encoder replica ready in %.1f s (weights %.1f s, prepare %.1f s; before it: imports %.1f s, "
+            "%.1f s since its worker process started): %s",
             self.ready_s,
             self.loaded_s,
             status.stage_seconds.get("prepare", 0.0),
+            self.before.imports_s,
+            self.before.process_s,
             then,
         )
 
@@ -414,6 +404,8 @@ class EncoderReplica:
         status = self.runner.warmup_status()
         return {
             "pid": os.getpid(),
+            "imports_s": round(self.before.imports_s, 2),  # before the constructor: see deployments/process.py
+            "process_s": round(self.before.process_s, 2),
             "ready_s": round(self.ready_s, 2),
             "stage": status.stage,
             "graphs_live": status.graphs_live,
