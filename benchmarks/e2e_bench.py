@@ -564,7 +564,7 @@ def full_speed(
     url: str, model_id: str, timeout_s: float, alive: Callable[[], None], replicas: int | None = None
 ) -> tuple[float, dict]:
     """When the encoder replica that answers reports every graph live (with `replicas`: when
-    Serve runs exactly that many and each reports it); returns that time and that replica's warm-up."""
+    Serve runs exactly that many and each reports it); returns that time and that replica's description."""
     import httpx
 
     start = time.monotonic()
@@ -577,7 +577,7 @@ def full_speed(
                 replicas is None
                 or (encoder["replicas"] == {"RUNNING": replicas} and sum(w["full_speed"] for w in each) == replicas)
             ):
-                return time.monotonic(), replica["warmup"]
+                return time.monotonic(), replica
         except Exception:  # noqa: BLE001 - not up yet
             pass
         time.sleep(1)
@@ -596,7 +596,7 @@ def start_service(args, config_path: Path, out: Path, tag: str, replicas: int | 
         answered = first_answer(url, probe, args.startup_timeout, service.raise_if_failed)
         service.answered = True
         model_id = AppConfig.model_validate(app.get("args", {})).model.model_id
-        fast, warmup = full_speed(url, model_id, args.startup_timeout, service.raise_if_failed, replicas)
+        fast, replica = full_speed(url, model_id, args.startup_timeout, service.raise_if_failed, replicas)
     except BaseException:
         service.stop()
         raise
@@ -604,7 +604,9 @@ def start_service(args, config_path: Path, out: Path, tag: str, replicas: int | 
         "first_200_s": round(answered - service.started, 1),
         "full_speed_s": round(fast - service.started, 1),
         **service.seen,
-        "replica_warmup": warmup,
+        # before the answering replica's constructor: its imports, and its worker process's age
+        **{f"encoder_{key}": replica[key] for key in ("imports_s", "process_s") if key in replica},
+        "replica_warmup": replica["warmup"],
     }
     print(f"startup ({tag}): {json.dumps({k: v for k, v in startup.items() if k != 'replica_warmup'})}", flush=True)
     return service, {"url": url, "app": app["name"], "model_id": model_id, **startup}

@@ -423,6 +423,9 @@ class EncoderReplica:
             "device": str(self.encoder.device),
             "dtype": str(self.encoder.dtype).removeprefix("torch."),
             "ready_s": round(self.ready_s, 2),
+            # before the constructor: the deployment's imports, and the worker process's age
+            "imports_s": round(self.before.imports_s, 2),
+            "process_s": round(self.before.process_s, 2),
             "queued_tokens": self._queued_tokens,
             "inflight_tokens": self._inflight_tokens,
             **self._work_summary(),  # pid, forwards, merged packs and requests, tokens, step seconds
