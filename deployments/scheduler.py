@@ -247,8 +247,9 @@ class PackScheduler:
             self._inflight_tokens -= tokens
 
     async def _attempt(self, modality: str, items: list[QueuedItem], retries_left: int) -> None:
-        """Run a pack; resend it if its replica died; split it if it failed otherwise, so that a
-        failing item fails only its own request."""
+        """Run a pack; resend it if its replica died; if it failed otherwise, run its halves one
+        after the other (recursively), so that a failing item fails only its own request and the
+        pack's slot never holds more than one pack in flight."""
         live = [item for item in items if not item.future.done()]
         if not live:
             return
@@ -267,7 +268,9 @@ class PackScheduler:
                 return await self._attempt(modality, live, retries_left - 1)
             if len(live) > 1 and not self._retryable(error):
                 self.stats.split_packs += 1
-                await asyncio.gather(*(self._attempt(modality, [item], 0) for item in live))
+                half = len(live) // 2
+                await self._attempt(modality, live[:half], retries_left)
+                await self._attempt(modality, live[half:], retries_left)
                 return
             final = self._final_error(error, self.retries > retries_left)
             for item in live:

@@ -129,29 +129,43 @@ def test_queued_tokens_are_bounded():
     asyncio.run(main())
 
 
-def test_a_failing_item_fails_only_its_own_request():
-    """A pack that fails for an item's sake is rerun item by item: the others still succeed."""
+def test_a_failing_item_fails_only_its_own_request_and_the_split_keeps_one_pack_in_flight():
+    """A pack that fails for an item's sake is rerun in halves, one after the other: the others
+    still succeed, and the router's slot never holds more than the one pack it was given."""
 
     class Poisoned(Recorder):
+        def __init__(self):
+            super().__init__()
+            self.inflight = self.most_inflight = 0
+
         async def __call__(self, modality, items):
             self.packs.append(items)
-            if any(i.request_id == "poison" for i in items):
-                raise ValueError("bad item")
-            return [ItemOutput(tokens=torch.zeros(i.spec.output_tokens, 1)) for i in items]
+            self.inflight += 1
+            self.most_inflight = max(self.most_inflight, self.inflight)
+            try:
+                await asyncio.sleep(0.01)
+                if any(i.request_id == "poison" for i in items):
+                    raise ValueError("bad item")
+                return [ItemOutput(tokens=torch.zeros(i.spec.output_tokens, 1)) for i in items]
+            finally:
+                self.inflight -= 1
 
     async def main():
         recorder = Poisoned()
         sched = scheduler(recorder, max_wait_s=0.05)
-        good, bad = items([10, 20], "good"), items([30], "poison")
-        sched.submit(good)
-        sched.submit(bad)
-        results = await asyncio.gather(*(i.future for i in good + bad), return_exceptions=True)
+        good, bad, more = items([10, 20], "good"), items([30], "poison"), items([40, 50, 60], "more")
+        for request in (good, bad, more):
+            sched.submit(request)
+        results = await asyncio.gather(*(i.future for i in good + bad + more), return_exceptions=True)
         return sched, recorder, results
 
     sched, recorder, results = asyncio.run(main())
-    assert [r.tokens.shape[0] for r in results[:2]] == [10, 20]
+    assert len(recorder.packs[0]) == 6  # one pack of all three requests, which failed
+    assert [r.tokens.shape[0] for i, r in enumerate(results) if i != 2] == [10, 20, 40, 50, 60]
     assert isinstance(results[2], ValueError)
-    assert len(recorder.packs[0]) == 3 and sched.stats.split_packs == 1
+    assert recorder.most_inflight == 1
+    # halves of 6, then of the failing 3, then of its failing 1 + 1: 3 splits, 7 packs in all
+    assert sched.stats.split_packs == 3 and len(recorder.packs) == 7
     assert sched.queued_tokens == 0
 
 
