@@ -604,8 +604,9 @@ def start_service(args, config_path: Path, out: Path, tag: str, replicas: int | 
         "first_200_s": round(answered - service.started, 1),
         "full_speed_s": round(fast - service.started, 1),
         **service.seen,
-        # before the answering replica's constructor: its imports, and its worker process's age
-        **{f"encoder_{key}": replica[key] for key in ("imports_s", "process_s") if key in replica},
+        # durations, unlike the times since launch above: the answering replica's imports, Serve's
+        # setup, and its worker process's age, before its constructor
+        "encoder_before_constructor": replica.get("before_constructor"),
         "replica_warmup": replica["warmup"],
     }
     print(f"startup ({tag}): {json.dumps({k: v for k, v in startup.items() if k != 'replica_warmup'})}", flush=True)
@@ -1027,7 +1028,7 @@ def table(runs: dict) -> str:
         shown = {k: v for k, v in ours["failover"].items() if k != "tokens_per_second_from_kill"}
         lines.append(f"\nOne encoder replica killed under handle load: {shown}")
     for tag, startup in ours.get("startup", {}).items():
-        shown = {k: v for k, v in startup.items() if k.endswith("_s")}
+        shown = {k: v for k, v in startup.items() if k.endswith("_s") or k == "encoder_before_constructor"}
         lines.append(f"\nStartup ({tag}): {shown}")
     return "\n".join(lines)
 

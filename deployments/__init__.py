@@ -5,6 +5,6 @@ Kept import-light: Serve's controller imports `deployments.autoscaling` on its o
 
 import time
 
-IMPORTED_AT = time.time()
-"""When this process first imported the package: a replica's constructor start minus this is the
-time its deployment's imports took (torch, transformers, model code)."""
+IMPORTING_SINCE = time.monotonic()
+"""When this process first imported the package: in a Serve replica, the start of its deployment
+module's imports (Serve imports the class by path), unless something imported the package earlier."""

@@ -33,6 +33,8 @@ from .metrics import EncoderMetrics, refresh_gauges
 from .process import before_constructor
 
 logger = logging.getLogger("ray.serve")
+IMPORTED = time.monotonic()
+"""The end of this module's imports, for the replica's startup line."""
 
 
 @dataclass
@@ -138,7 +140,7 @@ def load_encoder(config: AppConfig):
 class EncoderReplica:
     def __init__(self, config: AppConfig, ladder: Ladder):
         start = time.perf_counter()
-        self.before = before_constructor()
+        self.before = before_constructor(IMPORTED)
         sys.setswitchinterval(config.model.switch_interval_ms / 1e3)
         if config.model.device == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -181,12 +183,13 @@ class EncoderReplica:
         else:  # nothing to capture on this device: the table's budgets still shape the packs
             then = f"packs run eagerly ({self.encoder.device.type}: no CUDA graphs)"
         logger.info(
-            "encoder replica ready in %.1f s (weights %.1f s, prepare %.1f s; before it: imports %.1f s, "
-            "%.1f s since its worker process started): %s",
+            "encoder replica ready in %.1f s (weights %.1f s, prepare %.1f s; before it: imports %.1f s, Serve's "
+            "setup %.1f s, %.1f s since its worker process started): %s",
             self.ready_s,
             self.loaded_s,
             status.stage_seconds.get("prepare", 0.0),
             self.before.imports_s,
+            self.before.setup_s,
             self.before.process_s,
             then,
         )
@@ -400,12 +403,14 @@ class EncoderReplica:
             "step_seconds": seconds,
         }
 
+    def _before_summary(self) -> dict:
+        return {key: round(value, 2) for key, value in self.before._asdict().items()}
+
     def _warmup_summary(self) -> dict:
         status = self.runner.warmup_status()
         return {
             "pid": os.getpid(),
-            "imports_s": round(self.before.imports_s, 2),  # before the constructor: see deployments/process.py
-            "process_s": round(self.before.process_s, 2),
+            "before_constructor": self._before_summary(),  # imports, Serve's setup, the worker's age
             "ready_s": round(self.ready_s, 2),
             "stage": status.stage,
             "graphs_live": status.graphs_live,
@@ -423,9 +428,7 @@ class EncoderReplica:
             "device": str(self.encoder.device),
             "dtype": str(self.encoder.dtype).removeprefix("torch."),
             "ready_s": round(self.ready_s, 2),
-            # before the constructor: the deployment's imports, and the worker process's age
-            "imports_s": round(self.before.imports_s, 2),
-            "process_s": round(self.before.process_s, 2),
+            "before_constructor": self._before_summary(),  # imports, Serve's setup, the worker's age
             "queued_tokens": self._queued_tokens,
             "inflight_tokens": self._inflight_tokens,
             **self._work_summary(),  # pid, forwards, merged packs and requests, tokens, step seconds
