@@ -25,9 +25,44 @@ def environment() -> dict:
         "cudnn": torch.backends.cudnn.version(),
         "python": platform.python_version(),
         "cpus": len(os.sched_getaffinity(0)),  # the CPUs this process may use
+        "numa_nodes": len(numa_cpus()),
+        "gpu_numa_nodes": gpu_numa_nodes(),  # a replica's host work runs where its GPU is attached, or not
         "http_ingress": http_ingress(),
         "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def numa_cpus(root: str = "/sys/devices/system/node") -> dict[int, int]:
+    """CPUs per NUMA node, from sysfs; empty where it is not there."""
+    nodes = {}
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+        if name.startswith("node") and name[4:].isdigit():
+            with open(os.path.join(root, name, "cpulist")) as cpulist:
+                nodes[int(name[4:])] = len(parse_cpulist(cpulist.read()))
+    return nodes
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """The CPUs of a kernel cpulist such as "0-15,32-47" (empty for an empty list)."""
+    cpus = []
+    for part in filter(None, text.strip().split(",")):
+        low, _, high = part.partition("-")
+        cpus.extend(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def gpu_numa_nodes() -> list[int]:
+    """The NUMA node each visible GPU is attached to (-1: the kernel does not say)."""
+    nodes = []
+    for index in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        props = torch.cuda.get_device_properties(index)
+        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        try:
+            with open(f"/sys/bus/pci/devices/{bus}/numa_node") as node:
+                nodes.append(int(node.read()))
+        except (OSError, ValueError):
+            nodes.append(-1)
+    return nodes
 
 
 def _version(package: str) -> str | None:
