@@ -29,7 +29,7 @@ from .buffers import StaticBuffers
 from .entry import DISABLED, LIVE, PENDING, GraphEntry, GraphKey
 from .preflight import check_eager, check_memory, raise_recompile_limits
 from .route_costs import attention_shapes
-from .selfcheck import best_ms, pack_error, sample_frame, synthetic_pixels, synthetic_specs
+from .selfcheck import best_ms, pack_error, sample_frame, synchronized_ms, synthetic_pixels, synthetic_specs
 from .table import input_specs
 
 if TYPE_CHECKING:
@@ -326,14 +326,18 @@ class WarmUp:
             raise _Retry from error
 
     def _check(self, entry: GraphEntry, pixels, specs, metadata, reference) -> bool:
-        """One run of the entry on the sample pack against the eager reference; timed after."""
+        """One run of the entry on the sample pack against the eager reference. With graphs that
+        run is also the one timed (copies in and out included: a split pays them per part), so a
+        graph costs one replay here, not two: a replay varies little."""
         runner = self.runner
         tokens = sum(s.output_tokens for s in specs)
-        runner.io.fill(entry, pixels, metadata)
         if entry.graph is not None:
-            runner.io.execute(entry)
+            launch = lambda: runner.io.launch(entry, metadata, pixels, specs, runner.device)  # noqa: E731
+            replay_ms = synchronized_ms(launch, runner.device)
         else:  # the forward itself (no graph: CPU, or `cuda_graphs: false`)
+            runner.io.fill(entry, pixels, metadata)
             runner.io.forward_into(entry)
+            replay_ms = math.nan
         deepstack = entry.outputs.get("deepstack")
         error = pack_error(
             entry.outputs["tokens"][:tokens], None if deepstack is None else deepstack[:, :tokens], reference
@@ -342,10 +346,7 @@ class WarmUp:
         if not math.isfinite(error) or error > runner.config.self_check_tolerance:
             runner.table.disable(entry, f"self-check error {error:.3g} > {runner.config.self_check_tolerance}")
             return False
-        if runner.capture is not None:
-            # Copies in and out included: a split pays them per part. One run: a replay varies little.
-            launch = lambda: runner.io.launch(entry, metadata, pixels, specs, runner.device)  # noqa: E731
-            entry.replay_ms = best_ms(launch, runner.device, repeats=1)
+        entry.replay_ms = replay_ms
         return True
 
     def _sample_pack(self, key: GraphKey):
