@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
+import subprocess
 import sys
 import time
 from importlib import metadata
@@ -17,6 +19,7 @@ def environment() -> dict:
 
     return {
         "command": " ".join(sys.argv),
+        "commit": commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -28,6 +31,7 @@ def environment() -> dict:
         "numa_nodes": len(numa_cpus()),
         "gpu_numa_nodes": gpu_numa_nodes(),  # a replica's host work runs where its GPU is attached, or not
         "http_ingress": http_ingress(),
+        "ray_pyc": has_bytecode("ray"),  # without, every Ray worker compiles Ray's sources as it starts
         "date": time.strftime("%Y-%m-%d"),
     }
 
@@ -63,6 +67,33 @@ def gpu_numa_nodes() -> list[int]:
         except (OSError, ValueError):
             nodes.append(-1)
     return nodes
+
+
+def commit(root: str) -> str | None:
+    """The checkout's commit at `root`, "+dirty" where tracked files differ from it; None outside git."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        if head.returncode != 0:
+            return None
+        changed = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if changed.stdout.strip() else "")
+
+
+def has_bytecode(package: str) -> bool | None:
+    """Whether `package`'s `__init__` has its compiled `.pyc` beside it (None: not installed)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        return None
+    return os.path.exists(importlib.util.cache_from_source(spec.origin))
 
 
 def _version(package: str) -> str | None:
