@@ -252,7 +252,7 @@ class WarmUp:
 
     def _build(self, entry: GraphEntry) -> None:
         """One step: the eager reference (no lock), then under the lock the capture, one checked
-        run and one timed replay; live if it passed. The compiled forward runs on the entry's
+        run, also the timed one; live if it passed. The compiled forward runs on the entry's
         layout outside the lock first only where it must: without graphs (the check calls it
         under the lock), or where the capture found it would compile (then captured again)."""
         runner = self.runner
@@ -328,7 +328,8 @@ class WarmUp:
     def _check(self, entry: GraphEntry, pixels, specs, metadata, reference) -> bool:
         """One run of the entry on the sample pack against the eager reference. With graphs that
         run is also the one timed (copies in and out included: a split pays them per part), so a
-        graph costs one replay here, not two: a replay varies little."""
+        graph costs one replay here, not two; as the graph's first launch it includes the upload
+        of its executable graph."""
         runner = self.runner
         tokens = sum(s.output_tokens for s in specs)
         if entry.graph is not None:
