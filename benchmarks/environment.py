@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import platform
 import subprocess
@@ -31,7 +30,8 @@ def environment() -> dict:
         "numa_nodes": len(numa_cpus()),
         "gpu_numa_nodes": gpu_numa_nodes(),  # a replica's host work runs where its GPU is attached, or not
         "http_ingress": http_ingress(),
-        "ray_pyc": has_bytecode("ray"),  # without, every Ray worker compiles Ray's sources as it starts
+        # set: no process keeps the .pyc it compiles, so every Ray worker compiles its sources as it starts
+        "dont_write_bytecode": bool(sys.flags.dont_write_bytecode),
         "date": time.strftime("%Y-%m-%d"),
     }
 
@@ -70,30 +70,28 @@ def gpu_numa_nodes() -> list[int]:
 
 
 def commit(root: str) -> str | None:
-    """The checkout's commit at `root`, "+dirty" where tracked files differ from it; None outside git."""
-    try:
-        head = subprocess.run(
-            ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+    """The checkout's commit at `root`, "+dirty" where tracked files differ from it ("+unknown":
+    git could not say); None where `root` is not itself a checkout's top (a copy inside some other
+    repository reports nothing, not that repository's commit) or git is missing."""
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["git", "--no-optional-locks", "-C", root, *args], capture_output=True, text=True, timeout=10
         )
+
+    try:
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode != 0 or os.path.realpath(top.stdout.strip()) != os.path.realpath(root):
+            return None
+        head = git("rev-parse", "--short", "HEAD")
         if head.returncode != 0:
             return None
-        changed = subprocess.run(
-            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
+        changed = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None
+    if changed.returncode != 0:
+        return head.stdout.strip() + "+unknown"
     return head.stdout.strip() + ("+dirty" if changed.stdout.strip() else "")
-
-
-def has_bytecode(package: str) -> bool | None:
-    """Whether `package`'s `__init__` has its compiled `.pyc` beside it (None: not installed)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None:
-        return None
-    return os.path.exists(importlib.util.cache_from_source(spec.origin))
 
 
 def _version(package: str) -> str | None:

@@ -1,9 +1,12 @@
 """What benchmark results record about the host (benchmarks/environment.py)."""
 
+import os
+import shutil
 import subprocess
-import sys
 
-from benchmarks.environment import commit, has_bytecode, numa_cpus, parse_cpulist
+import pytest
+
+from benchmarks.environment import commit, numa_cpus, parse_cpulist
 
 
 def test_cpulists_parse_as_the_kernel_writes_them():
@@ -20,20 +23,33 @@ def test_numa_nodes_are_read_from_a_sysfs_tree(tmp_path):
     assert numa_cpus(str(tmp_path / "absent")) == {}
 
 
-def test_the_commit_is_git_s_and_marks_changed_files(tmp_path, monkeypatch):
-    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no checkout around tmp_path counts
+@pytest.fixture
+def git_env(monkeypatch, tmp_path):
+    """git as a bare install runs it: no user or system configuration, no checkout around tmp_path."""
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", os.devnull)
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
 
-    def git(*args):
-        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+    def git(where, *args):
+        return subprocess.run(
+            ["git", "-C", str(where), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
 
+    return git
+
+
+def test_the_commit_is_git_s_and_marks_changed_files(tmp_path, git_env):
     assert commit(str(tmp_path)) is None  # not a checkout
-    git("init", "-q")
+    git_env(tmp_path, "init", "-q")
     (tmp_path / "a.txt").write_text("one\n")
-    git("add", "a.txt")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
-    head = subprocess.run(
-        ["git", "-C", str(tmp_path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    git_env(tmp_path, "add", "a.txt")
+    git_env(tmp_path, "commit", "-q", "-m", "one")
+    head = git_env(tmp_path, "rev-parse", "--short", "HEAD")
     assert commit(str(tmp_path)) == head
     (tmp_path / "b.txt").write_text("untracked\n")
     assert commit(str(tmp_path)) == head
@@ -41,12 +57,13 @@ def test_the_commit_is_git_s_and_marks_changed_files(tmp_path, monkeypatch):
     assert commit(str(tmp_path)) == head + "+dirty"
 
 
-def test_bytecode_is_found_where_a_package_was_compiled(tmp_path, monkeypatch):
-    package = tmp_path / "compiled_pkg"
-    package.mkdir()
-    (package / "__init__.py").write_text("X = 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert has_bytecode("compiled_pkg") is False
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(package)], check=True)
-    assert has_bytecode("compiled_pkg") is True
-    assert has_bytecode("no_such_package_here") is None
+def test_a_copy_inside_another_checkout_has_no_commit(tmp_path, git_env):
+    git_env(tmp_path, "init", "-q")
+    (tmp_path / "copy").mkdir()
+    assert commit(str(tmp_path / "copy")) is None
+
+
+def test_no_git_no_commit(tmp_path, git_env, monkeypatch):
+    git_env(tmp_path, "init", "-q")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert commit(str(tmp_path)) is None
