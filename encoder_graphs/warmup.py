@@ -28,6 +28,7 @@ from .budgets import sample_budgets
 from .buffers import StaticBuffers
 from .entry import DISABLED, LIVE, PENDING, GraphEntry, GraphKey
 from .preflight import check_eager, check_memory, raise_recompile_limits
+from .references import References, SamplePack
 from .route_costs import attention_shapes
 from .selfcheck import best_ms, pack_error, sample_frame, synchronized_ms, synthetic_pixels, synthetic_specs
 from .table import input_specs
@@ -41,6 +42,8 @@ COST_SAMPLES = 5
 """Budgets at which the routes without a graph are timed at startup (interpolated between)."""
 PROGRESS_LINES = 10
 """Log lines the graph stage writes (one per graph refused besides)."""
+UPCOMING_GRAPHS = 16
+"""Graphs, in the order they are likely built, whose references one eager forward may also take."""
 
 Progress = Callable[[str], None]
 
@@ -82,6 +85,8 @@ class WarmUp:
         """Graphs built and checked that go live only at the end (compiled forwards without graphs)."""
         self._private_inputs: StaticBuffers | None = None
         """Inputs the compiles run on, shaped as the table's shared ones (freed at the end)."""
+        self._references: References | None = None
+        """Sample items' pixels and eager outputs (freed at the end)."""
 
     # ---- status ----
 
@@ -160,6 +165,7 @@ class WarmUp:
             raise
         finally:
             self._private_inputs = None  # only the warm-up compiles: stopped, failed or done
+            self._references = None
         status = self.status()
         progress(
             f"full speed {time.perf_counter() - start:.1f} s into the warm-up: {status.graphs_live}/"
@@ -176,7 +182,8 @@ class WarmUp:
         for budget in sample_budgets(runner.table.budgets, COST_SAMPLES):
             if stop.is_set():
                 return
-            specs, pixels = self._sample_pack(runner.table.by_budget[budget][0].key)
+            sample = self._sample_pack(runner.table.by_budget[budget][0].key)
+            specs, pixels = sample.specs, sample.pixels
             encoder.forward_eager(pixels, specs)
             with runner.device_lock:
                 ms = best_ms(lambda: encoder.forward_eager(pixels, specs), encoder.device)
@@ -221,6 +228,12 @@ class WarmUp:
         while not stop.is_set():
             entry = self._next_entry()
             if entry is None:
+                refs = self._references
+                if refs is not None:
+                    logger.info(
+                        "graph checks: %d eager reference forwards over %d rows", refs.eager_forwards, refs.eager_rows
+                    )
+                self._references = None
                 return
             began = time.perf_counter()
             self._build(entry)
@@ -261,8 +274,10 @@ class WarmUp:
             self._warm_compiled(entry)
         check = runner.config.self_check and (runner.use_graphs or compiled)
         if check:
-            specs, pixels = self._sample_pack(entry.key)
-            reference = runner.encoder.forward_eager(pixels, specs)
+            sample = self._sample_pack(entry.key)
+            specs, pixels = sample.specs, sample.pixels
+            self.references.prepare([specs, *self._upcoming_specs(entry)])
+            reference = self.references.reference(sample)
             metadata = runner.encoder.pack_metadata(specs, entry.layout)
         for may_warm in (compiled and runner.capture is not None, False):
             with runner.device_lock:
@@ -350,12 +365,29 @@ class WarmUp:
         entry.replay_ms = replay_ms
         return True
 
-    def _sample_pack(self, key: GraphKey):
-        encoder = self.runner.encoder
+    @property
+    def references(self) -> References:
+        if self._references is None:
+            rows = self.runner.table.budgets[-1] * self.runner.encoder.merge_unit
+            self._references = References(self.runner.encoder, batch_rows=rows)
+        return self._references
+
+    def _sample_specs(self, key: GraphKey) -> list:
         budget, seqlen = key
         frame = sample_frame([e.key[1] for e in self.runner.table.by_budget.get(budget, [])], seqlen)
-        specs = synthetic_specs(encoder, budget, seqlen, self.runner.ladder.max_items, frame)
-        return specs, synthetic_pixels(specs, encoder.patch_dim, encoder.device, seed=key[0] + key[1]).to(encoder.dtype)
+        return synthetic_specs(self.runner.encoder, budget, seqlen, self.runner.ladder.max_items, frame)
+
+    def _sample_pack(self, key: GraphKey) -> SamplePack:
+        return self.references.pack(self._sample_specs(key))
+
+    def _upcoming_specs(self, entry: GraphEntry) -> list:
+        """The sample packs of the graphs likely built after `entry` (smallest first; a hint)."""
+        runner = self.runner
+        with runner.device_lock:
+            pending = [
+                e for e in runner.table.entries.values() if e.state == PENDING and e is not entry and e not in self._built
+            ]
+        return [self._sample_specs(e.key) for e in sorted(pending, key=lambda e: e.key)[:UPCOMING_GRAPHS]]
 
     def _compile_exact(self, progress: Progress, stop: threading.Event) -> None:
         """Compile the exact route, check it against eager at a few budgets and time it there.
@@ -371,7 +403,7 @@ class WarmUp:
         for budget in sample_budgets(runner.table.budgets, COST_SAMPLES):
             if stop.is_set():
                 return
-            specs, _ = self._sample_pack(runner.table.by_budget[budget][0].key)
+            specs = self._sample_specs(runner.table.by_budget[budget][0].key)
             equal = [s for s in specs if s == specs[0]]
             pixels = synthetic_pixels(equal, encoder.patch_dim, encoder.device, seed=budget).to(encoder.dtype)
             out = runner.exact.run_compiled(pixels, equal)

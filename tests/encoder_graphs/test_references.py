@@ -1,0 +1,98 @@
+"""The warm-up's sample packs and their eager references, computed per distinct item (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from encoder_graphs.config import GraphConfig
+from encoder_graphs.references import References, item_keys
+from encoder_graphs.runner import EncoderRunner
+from encoder_graphs.selfcheck import sample_frame, synthetic_specs
+from models import from_preset
+from tests.helpers import reference_item, reference_tower, relative_error
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    encoder = from_preset("qwen3-vl-tiny", seed=5)
+    return encoder, reference_tower(encoder)
+
+
+def test_equal_items_alternate_between_two_pixel_draws(qwen3):
+    encoder, _ = qwen3
+    specs = synthetic_specs(encoder, 256, 64, 64)  # 16 equal images of 64 patches
+    assert len(set(specs)) == 1 and len(specs) == 16
+    pixels = References(encoder, batch_rows=1024).pack(specs).pixels
+    first, second, third = (pixels[i * 64 : (i + 1) * 64] for i in range(3))
+    assert not torch.equal(first, second)  # neighbours differ: a leak across their boundary shows
+    assert torch.equal(first, third)
+    assert [v for _, v in item_keys(specs)] == [0, 1] * 8
+
+
+def test_a_packs_reference_is_each_items_transformers_output(qwen3):
+    encoder, tower = qwen3
+    references = References(encoder, batch_rows=4096)
+    specs = synthetic_specs(encoder, 512, 256, 64, frame=144)  # 14 images of 144 patches and a remainder
+    assert len(set(specs)) == 2
+    sample = references.pack(specs)
+    reference = references.reference(sample)
+    assert references.eager_forwards == 1 and references.eager_rows == 2 * 144 + specs[-1].input_patches
+    row = token = 0
+    for spec in specs:
+        expected, deepstack = reference_item(tower, sample.pixels[row : row + spec.input_patches].float(), spec.grid_thw)
+        got = slice(token, token + spec.output_tokens)
+        assert relative_error(reference.tokens[got], expected) <= 1e-4
+        assert relative_error(reference.deepstack[:, got], deepstack) <= 1e-4
+        row, token = row + spec.input_patches, token + spec.output_tokens
+    assert token == reference.tokens.shape[0]
+
+
+def test_a_whole_ladders_references_take_a_few_eager_forwards(qwen3):
+    encoder, _ = qwen3
+    table = EncoderRunner(encoder, GraphConfig(max_budget_tokens=2048)).table
+    packs = []
+    for budget, seqlen in sorted(table.entries):
+        frame = sample_frame([e.key[1] for e in table.by_budget[budget]], seqlen)
+        packs.append(synthetic_specs(encoder, budget, seqlen, table.ladder.max_items, frame))
+    references = References(encoder, batch_rows=table.budgets[-1] * encoder.merge_unit)
+    for index, specs in enumerate(packs):
+        references.prepare(packs[index : index + 16])
+        references.reference(references.pack(specs))
+    pack_rows = sum(s.input_patches for specs in packs for s in specs)
+    assert references.eager_rows * 4 < pack_rows  # each distinct item once, not every pack's rows
+    assert references.eager_forwards * 4 < len(packs)
+
+
+def test_outputs_past_the_byte_limit_are_dropped_least_recently_used_first(qwen3):
+    encoder, _ = qwen3
+    references = References(encoder, batch_rows=4096, max_bytes=1)
+    first = references.pack(synthetic_specs(encoder, 256, 256, 64, frame=64))
+    references.reference(first)
+    second = references.pack(synthetic_specs(encoder, 256, 256, 64, frame=100))
+    references.reference(second)
+    assert set(references._outputs) == set(second.keys)  # the pack just checked keeps its own
+    assert references.bytes == sum(t.nbytes + d.nbytes for t, d in references._outputs.values())
+
+
+def test_the_warm_up_checks_every_graph_with_few_eager_forwards(qwen3):
+    encoder, _ = qwen3
+    # a stand-in compiled forward: on CPU the warm-up checks graphs (padded layouts) only with one
+    runner = EncoderRunner(encoder, GraphConfig(max_budget_tokens=1024), compiled_forward=encoder.forward_padded)
+    runner.prepare(progress=lambda message: None)
+    forwards = []
+    eager = encoder.forward_eager
+
+    def counted(pixels, specs, forward=None):
+        forwards.append(pixels.shape[0])
+        return eager(pixels, specs, forward)
+
+    encoder.forward_eager = counted
+    try:
+        runner.warm_up(progress=lambda message: None)
+    finally:
+        del encoder.forward_eager
+    graphs = len(runner.table.entries)
+    assert runner.warmup_status().full_speed and runner.table.live_count() == graphs
+    assert all(e.self_check_error is not None for e in runner.table.entries.values())
+    assert 0 < len(forwards) * 2 < graphs
