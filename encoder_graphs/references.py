@@ -4,7 +4,8 @@ distinct item (`References`).
 A graph's sample pack repeats its bucket's frame up to the budget, plus one remainder item, so a
 fine ladder's ~160 graphs hold a few dozen distinct items, about a tenth of their packs' tokens.
 Each distinct item runs eagerly once, beside those of the graphs built next, in one forward, and
-a pack's reference is its items' outputs laid end to end (the items of a pack never interact).
+is held until the last graph that holds it is checked; a pack's reference is its items' outputs
+laid end to end (the items of a pack never interact).
 Equal items in a pack alternate between two pixel draws, so that attention leaking across a
 segment boundary still changes the result the check compares.
 """
@@ -12,7 +13,7 @@ segment boundary still changes the result the check compares.
 from __future__ import annotations
 
 import zlib
-from collections import OrderedDict
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -54,21 +55,26 @@ class SamplePack:
 
 
 class References:
-    """Distinct sample items' eager outputs, held for the warm-up's graph stage.
+    """Distinct sample items' eager outputs, each held from its eager forward until the last
+    pack that was announced with it (`expect`) got its reference.
 
-    Outputs beyond `max_bytes` are dropped least recently used first (a pack being checked keeps
-    its own). One eager forward takes the items missing for several packs, up to `batch_rows`
-    rows (always all of the first pack's)."""
+    One eager forward takes the items missing for several packs, up to `batch_rows` rows (always
+    all of the first pack's)."""
 
-    def __init__(self, encoder: VisionEncoder, batch_rows: int, max_bytes: int = 512 << 20):
+    def __init__(self, encoder: VisionEncoder, batch_rows: int):
         self.encoder = encoder
         self.batch_rows = batch_rows
-        self.max_bytes = max_bytes
-        self._outputs: OrderedDict[ItemKey, tuple[torch.Tensor, torch.Tensor | None]] = OrderedDict()
+        self._outputs: dict[ItemKey, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._uses: Counter[ItemKey] = Counter()
         self.bytes = 0
         self.eager_forwards = 0
         """Eager forwards run for references (for tests and the log)."""
         self.eager_rows = 0
+
+    def expect(self, packs: Iterable[Sequence[ItemSpec]]) -> None:
+        """Packs whose references will be asked for: their items are kept until then."""
+        for specs in packs:
+            self._uses.update(set(item_keys(specs)))
 
     def pack(self, specs: Sequence[ItemSpec]) -> SamplePack:
         keys = item_keys(specs)
@@ -115,24 +121,19 @@ class References:
             start = end
 
     def reference(self, sample: SamplePack) -> EncoderOutput:
-        """The eager outputs of the pack's items, item after item (prepared where missing)."""
+        """The eager outputs of the pack's items, item after item (run now where missing); the
+        items no announced pack still needs are dropped."""
         if any(k not in self._outputs for k in sample.keys):
             self.prepare([sample.specs])
-        parts = []
-        for key in sample.keys:
-            self._outputs.move_to_end(key)
-            parts.append(self._outputs[key])
+        parts = [self._outputs[key] for key in sample.keys]
         tokens = torch.cat([p[0] for p in parts])
         deepstack = None if parts[0][1] is None else torch.cat([p[1] for p in parts], dim=1)
-        self._evict(keep=set(sample.keys))
-        return EncoderOutput(tokens, deepstack)
-
-    def _evict(self, keep: set[ItemKey]) -> None:
-        for key in list(self._outputs):
-            if self.bytes <= self.max_bytes:
-                return
-            if key not in keep:
+        for key in set(sample.keys):
+            self._uses[key] -= 1
+            if self._uses[key] <= 0:
+                del self._uses[key]
                 self.bytes -= _nbytes(*self._outputs.pop(key))
+        return EncoderOutput(tokens, deepstack)
 
 
 def _nbytes(tokens: torch.Tensor, deepstack: torch.Tensor | None) -> int:

@@ -42,6 +42,9 @@ COST_SAMPLES = 5
 """Budgets at which the routes without a graph are timed at startup (interpolated between)."""
 PROGRESS_LINES = 10
 """Log lines the graph stage writes (one per graph refused besides)."""
+RETIME_MS = 20.0
+"""A graph whose checked (first) run took less is timed on a second: the first includes the graph's
+upload, a few percent of a short replay."""
 UPCOMING_GRAPHS = 16
 """Graphs, in the order they are likely built, whose references one eager forward may also take."""
 
@@ -222,17 +225,18 @@ class WarmUp:
 
     def _build_graphs(self, progress: Progress, stop: threading.Event) -> None:
         """Every graph in turn; the log gets a line per tenth of them and one per graph refused."""
-        total = len(self.runner.table.entries)
+        table = self.runner.table
+        total = len(table.entries)
         every = max(1, total // PROGRESS_LINES)
         done = 0
+        if self._checks:
+            self.references.expect(self._sample_specs(e.key) for e in table.entries.values() if e.state == PENDING)
         while not stop.is_set():
             entry = self._next_entry()
             if entry is None:
-                refs = self._references
-                if refs is not None:
-                    logger.info(
-                        "graph checks: %d eager reference forwards over %d rows", refs.eager_forwards, refs.eager_rows
-                    )
+                if self._references is not None:
+                    refs = self._references
+                    progress(f"graph checks: their eager references took {refs.eager_forwards} forwards, {refs.eager_rows} rows")
                 self._references = None
                 return
             began = time.perf_counter()
@@ -272,7 +276,7 @@ class WarmUp:
         compiled = runner.forwards.compiled is not None
         if compiled and runner.capture is None:
             self._warm_compiled(entry)
-        check = runner.config.self_check and (runner.use_graphs or compiled)
+        check = self._checks
         if check:
             sample = self._sample_pack(entry.key)
             specs, pixels = sample.specs, sample.pixels
@@ -296,24 +300,45 @@ class WarmUp:
                     return
             self._warm_compiled(entry)
 
+    @property
+    def _checks(self) -> bool:
+        """Whether graphs are checked against eager (a padded budget run without graphs is only
+        where it is compiled; uncompiled, it is the eager path itself)."""
+        runner = self.runner
+        return runner.config.self_check and (runner.use_graphs or runner.forwards.compiled is not None)
+
     def _capture(self, entry: GraphEntry, may_warm: bool = False) -> bool:
-        """Warm on a side stream, then capture (both picking kernels as for a graph); where the
-        compiled forward would compile, `_Warm` (`may_warm`: the caller compiles outside the lock
-        and comes back), else a second time with the uncompiled forward. False: disabled."""
+        """Capture (picking kernels as for a graph); where the compiled forward would compile,
+        `_Warm` (`may_warm`: the caller compiles outside the lock and comes back), else again with
+        the uncompiled forward. False: disabled.
+
+        PyTorch asks for a warm run on a side stream before a capture, so that lazy
+        initialisation (handles, workspaces, kernels loaded on first use) never happens inside
+        one. Only the first capture and a capture tried again take it: by then the eager
+        references, the compile and the first graph have run every kernel a forward uses, and
+        the check after each capture catches a graph that went wrong. A capture that fails
+        unwarmed is tried once more after a warm run."""
         runner = self.runner
         io, capture = runner.io, runner.capture
         io.fill_empty(entry)
-        for _ in range(2):
+        warm = not capture.started
+        for attempt in range(3):
             try:
                 with runner.encoder.capturing(), self._no_recompile(entry, may_warm):
-                    capture.warm(lambda: io.forward_into(entry))
+                    if warm:
+                        capture.warm(lambda: io.forward_into(entry))
                     runner.memory.graph_bytes[entry.key] = capture.capture(entry, lambda: io.forward_into(entry))
                 return True
             except _Warm:
                 raise
             except _Retry:
+                warm = True
                 continue
             except Exception as exc:  # one graph lost; the packs it would serve run elsewhere
+                if not warm and attempt < 2:
+                    logger.warning("capturing graph %s failed without a warm run (%r); again after one", entry.key, exc)
+                    warm = True
+                    continue
                 logger.exception("capturing graph %s failed", entry.key)
                 runner.table.disable(entry, f"capture failed: {type(exc).__name__}")
                 return False
@@ -343,13 +368,15 @@ class WarmUp:
     def _check(self, entry: GraphEntry, pixels, specs, metadata, reference) -> bool:
         """One run of the entry on the sample pack against the eager reference. With graphs that
         run is also the one timed (copies in and out included: a split pays them per part), so a
-        graph costs one replay here, not two; as the graph's first launch it includes the upload
-        of its executable graph."""
+        graph costs one replay here, not two; a graph's first launch includes its upload, so
+        where that run was short (`RETIME_MS`) a second one is the timed one."""
         runner = self.runner
         tokens = sum(s.output_tokens for s in specs)
         if entry.graph is not None:
             launch = lambda: runner.io.launch(entry, metadata, pixels, specs, runner.device)  # noqa: E731
             replay_ms = synchronized_ms(launch, runner.device)
+            if replay_ms < RETIME_MS:
+                replay_ms = synchronized_ms(launch, runner.device)
         else:  # the forward itself (no graph: CPU, or `cuda_graphs: false`)
             runner.io.fill(entry, pixels, metadata)
             runner.io.forward_into(entry)

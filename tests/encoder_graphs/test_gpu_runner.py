@@ -295,3 +295,36 @@ def test_no_recurring_graph_is_captured_with_too_little_free_memory(encoder, run
     assert runner.stats.recurring_rejected["memory"] == before + 1
     for ours, theirs in item_errors(references, pixels, specs, outputs):
         assert ours <= 1.5 * theirs + 1e-3
+
+
+def test_a_capture_that_fails_without_a_warm_run_is_tried_again_after_one(encoder, references):
+    """Only the first capture takes a side-stream warm run; one that fails without (lazy
+    initialisation inside a capture) is captured again after one, and serves."""
+    runner = EncoderRunner(encoder, GraphConfig(budgets=(64, 256)))
+    runner.prepare(progress=lambda message: None)
+    capture, warm = runner.capture.capture, runner.capture.warm
+    events = []
+
+    def warm_counted(run):
+        events.append("warm")
+        return warm(run)
+
+    def fails_once_unwarmed(entry, run):
+        if entry.key[0] == 64 and events[-1] != "warm":
+            events.append("failed")
+            raise RuntimeError("operation not permitted when stream is capturing")
+        events.append("captured")
+        return capture(entry, run)
+
+    runner.capture.warm, runner.capture.capture = warm_counted, fails_once_unwarmed
+    runner.warm_up(progress=lambda message: None)
+    assert events.count("warm") == 2 and events.count("failed") == 1  # the first capture, the retry
+    assert all(e.live for e in runner.entries.values())
+    pre = encoder.preprocessor
+    resized = [pre.resize_image(random_image(np.random.default_rng(3), 224, 224))]
+    specs = [pre.spec("image", 1, *resized[0].shape[-2:])]
+    pixels = pre.pixel_values(resized, "image", device="cuda").to(encoder.dtype)
+    outputs = runner.run(pixels, specs)
+    assert runner.stats.last.graph and runner.stats.last.budget == 64
+    for ours, theirs in item_errors(references, pixels, specs, outputs):
+        assert ours <= 1.5 * theirs + 1e-3

@@ -56,23 +56,29 @@ def test_a_whole_ladders_references_take_a_few_eager_forwards(qwen3):
         frame = sample_frame([e.key[1] for e in table.by_budget[budget]], seqlen)
         packs.append(synthetic_specs(encoder, budget, seqlen, table.ladder.max_items, frame))
     references = References(encoder, batch_rows=table.budgets[-1] * encoder.merge_unit)
+    references.expect(packs)
     for index, specs in enumerate(packs):
         references.prepare(packs[index : index + 16])
         references.reference(references.pack(specs))
     pack_rows = sum(s.input_patches for specs in packs for s in specs)
-    assert references.eager_rows * 4 < pack_rows  # each distinct item once, not every pack's rows
+    distinct = {k for specs in packs for k in item_keys(specs)}
+    assert references.eager_rows == sum(k[0].input_patches for k in distinct) < pack_rows / 4  # each once
+    assert not references._outputs and references.bytes == 0
     assert references.eager_forwards * 4 < len(packs)
 
 
-def test_outputs_past_the_byte_limit_are_dropped_least_recently_used_first(qwen3):
+def test_an_items_output_is_held_until_the_last_announced_pack_that_holds_it(qwen3):
     encoder, _ = qwen3
-    references = References(encoder, batch_rows=4096, max_bytes=1)
-    first = references.pack(synthetic_specs(encoder, 256, 256, 64, frame=64))
-    references.reference(first)
-    second = references.pack(synthetic_specs(encoder, 256, 256, 64, frame=100))
-    references.reference(second)
-    assert set(references._outputs) == set(second.keys)  # the pack just checked keeps its own
-    assert references.bytes == sum(t.nbytes + d.nbytes for t, d in references._outputs.values())
+    references = References(encoder, batch_rows=4096)
+    shared = synthetic_specs(encoder, 256, 256, 64, frame=64)  # 16 images of 64 patches: two draws
+    first, second = shared, shared[:8]
+    references.expect([first, second])
+    references.reference(references.pack(first))
+    assert set(references._outputs) == set(item_keys(second))
+    references.reference(references.pack(second))
+    assert not references._outputs and references.bytes == 0
+    references.reference(references.pack(first))  # not announced: run again, then dropped
+    assert references.eager_forwards == 2 and not references._outputs
 
 
 def test_the_warm_up_checks_every_graph_with_few_eager_forwards(qwen3):
