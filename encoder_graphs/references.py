@@ -1,13 +1,12 @@
 """Sample packs for the warm-up's graph checks, and their eager references, computed once per
 distinct item (`References`).
 
-A graph's sample pack repeats its bucket's frame up to the budget, plus one remainder item, so a
-fine ladder's ~160 graphs hold a few dozen distinct items, about a tenth of their packs' tokens.
-Each distinct item runs eagerly once, beside those of the graphs built next, in one forward, and
-is held until the last graph that holds it is checked; a pack's reference is its items' outputs
-laid end to end (the items of a pack never interact).
-Equal items in a pack alternate between two pixel draws, so that attention leaking across a
-segment boundary still changes the result the check compares.
+A graph's sample pack repeats its bucket's frame up to the budget, plus one remainder item, so
+the graphs of a ladder share few distinct items. Each runs eagerly once, beside those of the
+graphs built next, in one forward, and is held until the last graph that holds it is checked; a
+pack's reference is its items' outputs laid end to end (the items of a pack never interact).
+Equal items in a pack cycle through `VARIANTS` pixel draws, so that attention leaking across a
+segment boundary, or rows shifted by an item or two, still change what the check compares.
 """
 
 from __future__ import annotations
@@ -26,11 +25,11 @@ from .selfcheck import synthetic_pixels
 ItemKey = tuple[ItemSpec, int]
 """A distinct sample item: its spec and which of two pixel draws it has."""
 
-VARIANTS = 2
+VARIANTS = 3
 
 
 def item_keys(specs: Sequence[ItemSpec]) -> list[ItemKey]:
-    """Each item's key: equal specs take the draws in turn (A, B, A, ...), others the first."""
+    """Each item's key: equal specs take the draws in turn (A, B, C, A, ...), others the first."""
     seen: dict[ItemSpec, int] = {}
     keys = []
     for spec in specs:
@@ -48,6 +47,8 @@ def item_seed(key: ItemKey) -> int:
 
 @dataclass(frozen=True)
 class SamplePack:
+    """A graph's sample pack: its items, their keys, and its pixels."""
+
     specs: list[ItemSpec]
     keys: list[ItemKey]
     pixels: torch.Tensor
@@ -67,6 +68,7 @@ class References:
         self._outputs: dict[ItemKey, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._uses: Counter[ItemKey] = Counter()
         self.bytes = 0
+        self.peak_bytes = 0
         self.eager_forwards = 0
         """Eager forwards run for references (for tests and the log)."""
         self.eager_rows = 0
@@ -119,6 +121,7 @@ class References:
             self._outputs[key] = (tokens, deepstack)
             self.bytes += _nbytes(tokens, deepstack)
             start = end
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
 
     def reference(self, sample: SamplePack) -> EncoderOutput:
         """The eager outputs of the pack's items, item after item (run now where missing); the

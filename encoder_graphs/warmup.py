@@ -43,8 +43,8 @@ COST_SAMPLES = 5
 PROGRESS_LINES = 10
 """Log lines the graph stage writes (one per graph refused besides)."""
 RETIME_MS = 20.0
-"""A graph whose checked (first) run took less is timed on a second: the first includes the graph's
-upload, a few percent of a short replay."""
+"""A graph whose checked (first) run took less is timed on the best of two more: the first includes
+the graph's upload, which counts in a short replay."""
 UPCOMING_GRAPHS = 16
 """Graphs, in the order they are likely built, whose references one eager forward may also take."""
 
@@ -89,7 +89,8 @@ class WarmUp:
         self._private_inputs: StaticBuffers | None = None
         """Inputs the compiles run on, shaped as the table's shared ones (freed at the end)."""
         self._references: References | None = None
-        """Sample items' pixels and eager outputs (freed at the end)."""
+        """Sample items' eager outputs for the graph checks (freed at the end)."""
+        self._upcoming: list[GraphKey] = []
 
     # ---- status ----
 
@@ -185,8 +186,8 @@ class WarmUp:
         for budget in sample_budgets(runner.table.budgets, COST_SAMPLES):
             if stop.is_set():
                 return
-            sample = self._sample_pack(runner.table.by_budget[budget][0].key)
-            specs, pixels = sample.specs, sample.pixels
+            specs = self._sample_specs(runner.table.by_budget[budget][0].key)
+            pixels = synthetic_pixels(specs, encoder.patch_dim, encoder.device, seed=budget).to(encoder.dtype)
             encoder.forward_eager(pixels, specs)
             with runner.device_lock:
                 ms = best_ms(lambda: encoder.forward_eager(pixels, specs), encoder.device)
@@ -230,13 +231,18 @@ class WarmUp:
         every = max(1, total // PROGRESS_LINES)
         done = 0
         if self._checks:
-            self.references.expect(self._sample_specs(e.key) for e in table.entries.values() if e.state == PENDING)
+            with self.runner.device_lock:
+                pending = [e.key for e in table.entries.values() if e.state == PENDING]
+            self.references.expect(self._sample_specs(key) for key in pending)
         while not stop.is_set():
             entry = self._next_entry()
             if entry is None:
                 if self._references is not None:
                     refs = self._references
-                    progress(f"graph checks: their eager references took {refs.eager_forwards} forwards, {refs.eager_rows} rows")
+                    progress(
+                        f"graph checks: eager references in {refs.eager_forwards} forwards of {refs.eager_rows} rows "
+                        f"in all, at most {refs.peak_bytes / 2**20:.0f} MiB held"
+                    )
                 self._references = None
                 return
             began = time.perf_counter()
@@ -254,10 +260,13 @@ class WarmUp:
 
     def _next_entry(self) -> GraphEntry | None:
         """The largest graph first where graphs share a pool (it sizes the pool); then those the
-        traffic served so far needed, most needed first; then the cheapest (smallest) first."""
+        traffic served so far needed, most needed first; then the cheapest (smallest) first.
+        Also notes the graphs likely built after it (`_upcoming`: their references may be
+        computed with its own)."""
         runner = self.runner
         with runner.device_lock:
             pending = [e for e in runner.table.entries.values() if e.state == PENDING and e not in self._built]
+            self._upcoming = sorted(e.key for e in pending)[: UPCOMING_GRAPHS + 1]
             if not pending:
                 return None
             if runner.capture is not None and not runner.capture.started:
@@ -280,7 +289,8 @@ class WarmUp:
         if check:
             sample = self._sample_pack(entry.key)
             specs, pixels = sample.specs, sample.pixels
-            self.references.prepare([specs, *self._upcoming_specs(entry)])
+            upcoming = [self._sample_specs(key) for key in self._upcoming if key != entry.key]
+            self.references.prepare([specs, *upcoming[:UPCOMING_GRAPHS]])
             reference = self.references.reference(sample)
             metadata = runner.encoder.pack_metadata(specs, entry.layout)
         for may_warm in (compiled and runner.capture is not None, False):
@@ -313,16 +323,15 @@ class WarmUp:
         the uncompiled forward. False: disabled.
 
         PyTorch asks for a warm run on a side stream before a capture, so that lazy
-        initialisation (handles, workspaces, kernels loaded on first use) never happens inside
-        one. Only the first capture and a capture tried again take it: by then the eager
-        references, the compile and the first graph have run every kernel a forward uses, and
-        the check after each capture catches a graph that went wrong. A capture that fails
-        unwarmed is tried once more after a warm run."""
+        initialisation never happens inside one; here only the first capture into the pool and
+        a capture tried again take one (after the first, a warm run per graph cost as much as
+        the capture and changed nothing measured). A capture that fails without one is tried
+        once more after one; the check after every capture catches a graph that went wrong."""
         runner = self.runner
         io, capture = runner.io, runner.capture
         io.fill_empty(entry)
         warm = not capture.started
-        for attempt in range(3):
+        for _ in range(3):  # at most one retry each: with the uncompiled forward, after a warm run
             try:
                 with runner.encoder.capturing(), self._no_recompile(entry, may_warm):
                     if warm:
@@ -335,13 +344,14 @@ class WarmUp:
                 warm = True
                 continue
             except Exception as exc:  # one graph lost; the packs it would serve run elsewhere
-                if not warm and attempt < 2:
-                    logger.warning("capturing graph %s failed without a warm run (%r); again after one", entry.key, exc)
+                if not warm:
+                    logger.warning("capturing graph %s failed without a warm run (%r): again after one", entry.key, exc)
                     warm = True
                     continue
                 logger.exception("capturing graph %s failed", entry.key)
                 runner.table.disable(entry, f"capture failed: {type(exc).__name__}")
                 return False
+        runner.table.disable(entry, "capture failed")
         return False
 
     @contextlib.contextmanager
@@ -369,14 +379,17 @@ class WarmUp:
         """One run of the entry on the sample pack against the eager reference. With graphs that
         run is also the one timed (copies in and out included: a split pays them per part), so a
         graph costs one replay here, not two; a graph's first launch includes its upload, so
-        where that run was short (`RETIME_MS`) a second one is the timed one."""
+        where that run was short (`RETIME_MS`) the best of two more is the time."""
         runner = self.runner
         tokens = sum(s.output_tokens for s in specs)
+        for name, rows in entry.outputs.items():  # a graph that leaves them unwritten fails the check
+            if rows.is_floating_point():
+                (rows[:tokens] if name != "deepstack" else rows[:, :tokens]).fill_(math.nan)
         if entry.graph is not None:
             launch = lambda: runner.io.launch(entry, metadata, pixels, specs, runner.device)  # noqa: E731
             replay_ms = synchronized_ms(launch, runner.device)
             if replay_ms < RETIME_MS:
-                replay_ms = synchronized_ms(launch, runner.device)
+                replay_ms = best_ms(launch, runner.device)
         else:  # the forward itself (no graph: CPU, or `cuda_graphs: false`)
             runner.io.fill(entry, pixels, metadata)
             runner.io.forward_into(entry)
@@ -394,27 +407,20 @@ class WarmUp:
 
     @property
     def references(self) -> References:
+        """The graph checks' eager references (made on first use)."""
         if self._references is None:
             rows = self.runner.table.budgets[-1] * self.runner.encoder.merge_unit
             self._references = References(self.runner.encoder, batch_rows=rows)
         return self._references
 
     def _sample_specs(self, key: GraphKey) -> list:
+        """The items of the sample pack that checks and times graph `key`."""
         budget, seqlen = key
         frame = sample_frame([e.key[1] for e in self.runner.table.by_budget.get(budget, [])], seqlen)
         return synthetic_specs(self.runner.encoder, budget, seqlen, self.runner.ladder.max_items, frame)
 
     def _sample_pack(self, key: GraphKey) -> SamplePack:
         return self.references.pack(self._sample_specs(key))
-
-    def _upcoming_specs(self, entry: GraphEntry) -> list:
-        """The sample packs of the graphs likely built after `entry` (smallest first; a hint)."""
-        runner = self.runner
-        with runner.device_lock:
-            pending = [
-                e for e in runner.table.entries.values() if e.state == PENDING and e is not entry and e not in self._built
-            ]
-        return [self._sample_specs(e.key) for e in sorted(pending, key=lambda e: e.key)[:UPCOMING_GRAPHS]]
 
     def _compile_exact(self, progress: Progress, stop: threading.Event) -> None:
         """Compile the exact route, check it against eager at a few budgets and time it there.
