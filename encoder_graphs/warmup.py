@@ -324,9 +324,9 @@ class WarmUp:
 
         PyTorch asks for a warm run on a side stream before a capture, so that lazy
         initialisation never happens inside one; here only the first capture into the pool and
-        a capture tried again take one (after the first, a warm run per graph cost as much as
-        the capture and changed nothing measured). A capture that fails without one is tried
-        once more after one; the check after every capture catches a graph that went wrong."""
+        a capture tried again take one (after the first, one per graph cost as much as the
+        capture itself). A capture that fails without one is tried once more after one; the
+        check after every capture catches a graph that went wrong."""
         runner = self.runner
         io, capture = runner.io, runner.capture
         io.fill_empty(entry)
