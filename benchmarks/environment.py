@@ -6,11 +6,14 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from importlib import metadata
 
 import torch
 import transformers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def environment() -> dict:
@@ -18,7 +21,8 @@ def environment() -> dict:
 
     return {
         "command": " ".join(sys.argv),
-        "commit": commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        "commit": commit(ROOT),
+        "tree": tree(ROOT),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -69,29 +73,52 @@ def gpu_numa_nodes() -> list[int]:
     return nodes
 
 
+def _git(root: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["git", "--no-optional-locks", "-C", root, *args], capture_output=True, text=True, timeout=10, env=env
+    )
+
+
+def _is_checkout_top(root: str) -> bool:
+    """Whether `root` is a checkout's top (a copy inside some other repository is not)."""
+    top = _git(root, "rev-parse", "--show-toplevel")
+    return top.returncode == 0 and os.path.realpath(top.stdout.strip()) == os.path.realpath(root)
+
+
 def commit(root: str) -> str | None:
     """The checkout's commit at `root`, "+dirty" where tracked files differ from it ("+unknown":
     git could not say); None where `root` is not itself a checkout's top (a copy inside some other
     repository reports nothing, not that repository's commit) or git is missing."""
-
-    def git(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            ["git", "--no-optional-locks", "-C", root, *args], capture_output=True, text=True, timeout=10
-        )
-
     try:
-        top = git("rev-parse", "--show-toplevel")
-        if top.returncode != 0 or os.path.realpath(top.stdout.strip()) != os.path.realpath(root):
+        if not _is_checkout_top(root):
             return None
-        head = git("rev-parse", "--short", "HEAD")
+        head = _git(root, "rev-parse", "--short", "HEAD")
         if head.returncode != 0:
             return None
-        changed = git("status", "--porcelain", "--untracked-files=no")
+        changed = _git(root, "status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None
     if changed.returncode != 0:
         return head.stdout.strip() + "+unknown"
     return head.stdout.strip() + ("+dirty" if changed.stdout.strip() else "")
+
+
+def tree(root: str) -> str | None:
+    """The git tree hash of the checkout's files as they are (tracked or not, unless ignored): the
+    code that ran, also where the checkout's history is stale or its changes uncommitted (`git log
+    --format='%h %t'` finds the commit of a tree). Written through a scratch index, so the
+    checkout's own index is left alone. None as for `commit`."""
+    try:
+        if not _is_checkout_top(root):
+            return None
+        with tempfile.TemporaryDirectory() as scratch:
+            env = {**os.environ, "GIT_INDEX_FILE": os.path.join(scratch, "index")}
+            if _git(root, "add", "-A", env=env).returncode != 0:
+                return None
+            written = _git(root, "write-tree", env=env)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return written.stdout.strip()[:7] if written.returncode == 0 else None
 
 
 def _version(package: str) -> str | None:

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from benchmarks.environment import commit, numa_cpus, parse_cpulist
+from benchmarks.environment import commit, numa_cpus, parse_cpulist, tree
 
 
 def test_cpulists_parse_as_the_kernel_writes_them():
@@ -67,3 +67,24 @@ def test_no_git_no_commit(tmp_path, git_env, monkeypatch):
     git_env(tmp_path, "init", "-q")
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert commit(str(tmp_path)) is None
+
+
+def test_the_tree_names_the_code_as_it_is_even_where_history_is_stale(tmp_path, git_env):
+    assert tree(str(tmp_path)) is None  # not a checkout
+    git_env(tmp_path, "init", "-q")
+    (tmp_path / ".gitignore").write_text("scratch/\n")
+    (tmp_path / "a.txt").write_text("one\n")
+    git_env(tmp_path, "add", "-A")
+    git_env(tmp_path, "commit", "-q", "-m", "one")
+    assert tree(str(tmp_path)) == git_env(tmp_path, "rev-parse", "--short=7", "HEAD^{tree}")
+    # a newer commit's files over an older .git (as a copy of the working tree with a stale
+    # history): the tree is the newer commit's, found by its tree hash
+    (tmp_path / "a.txt").write_text("two\n")
+    (tmp_path / "new.txt").write_text("new\n")
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "scratch" / "probe.txt").write_text("ignored\n")
+    ran = tree(str(tmp_path))
+    assert not git_env(tmp_path, "diff", "--cached", "--name-only")  # the checkout's index is untouched
+    git_env(tmp_path, "add", "-A")
+    git_env(tmp_path, "commit", "-q", "-m", "two")
+    assert ran == git_env(tmp_path, "rev-parse", "--short=7", "HEAD^{tree}")
