@@ -66,20 +66,7 @@ def decode_job(state: WorkerState, raw: media.RawItem, found: media.Inspection, 
     return DecodedArrays(item.pixels.numpy(), item.spec, key)
 
 
-def inspect_decode_job(
-    state: WorkerState, raw: media.RawItem, key_prefix: str | None, room_tokens: int, max_pixels: int
-):
-    """A one-item request in one trip: inspect, check the request's limits, and decode only if its
-    tokens fit the `room_tokens` the router had left and it decodes to at most `max_pixels` (else
-    the inspection, nothing decoded: the router decides as for any other request)."""
-    found = inspect_job(state, raw)
-    media.check_request_tokens([found.spec], state.limits)
-    if found.spec.output_tokens > room_tokens or found.source_pixels > max_pixels:
-        return found
-    return decode_job(state, raw, found, key_prefix)
-
-
-JOBS = {"inspect": inspect_job, "decode": decode_job, "inspect_decode": inspect_decode_job}
+JOBS = {"inspect": inspect_job, "decode": decode_job}
 
 
 def _answer(state: WorkerState, name: str, args: tuple) -> tuple[bool, object]:

@@ -82,20 +82,11 @@ class Intake:
             raise RequestError(413, f"{count} items exceeds max_items_per_request={limit}", "items")
 
     async def decode(
-        self,
-        raws: list[media.RawItem],
-        check_room: Callable[[int], None],
-        key_prefix: str | None,
-        room: Callable[[], int] | None = None,
+        self, raws: list[media.RawItem], check_room: Callable[[int], None], key_prefix: str | None
     ) -> list[media.DecodedItem]:
         """Inspect every item, check the request (`check_room(tokens)` may refuse it), decode.
-        `key_prefix` None: no content keys (the request opted out of the cache). With `room` (the
-        tokens the service can take now), a request of one encoded image up to `SMALL_BYTES` and
-        `SMALL_PIXELS` takes one trip to a worker, not two: the worker checks the same limits
-        before it decodes."""
+        `key_prefix` None: no content keys (the request opted out of the cache)."""
         self.check_item_count(len(raws))
-        if room is not None and len(raws) == 1 and raws[0].kind == "image" and _size(raws[0]) <= SMALL_BYTES:
-            return [await self._decode_one(raws[0], check_room, key_prefix, room)]
         found = await self._all(
             self.pool.run("inspect", (raw,), raw.index, small=_size(raw) <= SMALL_BYTES) for raw in raws
         )
@@ -113,21 +104,6 @@ class Intake:
             for raw, f in zip(raws, found)
         )
         return [media.DecodedItem(torch.from_numpy(d.pixels), d.spec, d.key) for d in decoded]
-
-    async def _decode_one(
-        self, raw: media.RawItem, check_room: Callable[[int], None], key_prefix: str | None, room: Callable[[], int]
-    ) -> media.DecodedItem:
-        check_room(0)  # 503 at once when the service can take nothing, before any work
-        # Small work whatever the image (the worker decodes up to SMALL_PIXELS in this trip), so it
-        # may take the reserved worker, as an inspection may; its bytes order the queue.
-        args = (raw, key_prefix, room(), SMALL_PIXELS)
-        answer = await self.pool.run("inspect_decode", args, raw.index, pixels=_size(raw), small=True)
-        if isinstance(answer, media.Inspection):  # too large, or over the room the router had: not decoded
-            check_room(answer.spec.output_tokens)
-            pixels = answer.source_pixels
-            args = (raw, answer, key_prefix)
-            answer = await self.pool.run("decode", args, raw.index, pixels=pixels, small=pixels <= SMALL_PIXELS)
-        return media.DecodedItem(torch.from_numpy(answer.pixels), answer.spec, answer.key)
 
     @staticmethod
     async def _all(jobs) -> list[Any]:

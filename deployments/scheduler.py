@@ -162,10 +162,6 @@ class PackScheduler:
                 f"max_queued_tokens={self.max_queued_tokens}"
             )
 
-    def room_tokens(self) -> int:
-        """Tokens that could be queued now without exceeding the bound."""
-        return max(0, self.max_queued_tokens - self.queued_tokens)
-
     def submit(self, items: Sequence[QueuedItem]) -> None:
         """Queue a request's items (all or none)."""
         self.check_room(sum(item.spec.output_tokens for item in items))

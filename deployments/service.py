@@ -72,8 +72,7 @@ class EncodeService:
         gets the seconds each stage took; `read_here`: this router reads the results (HTTP), and
         encodes again what it finds lost, so cache hits need no check first."""
         start = time.perf_counter()
-        key_prefix = "" if use_cache else None
-        decoded = await self.intake.decode(raws, self.queue.check_room, key_prefix, self.queue.scheduler.room_tokens)
+        decoded = await self.intake.decode(raws, self.queue.check_room, "" if use_cache else None)
         decoded_at = time.perf_counter()
         self.metrics.preprocess_seconds.observe(decoded_at - start)
         encoded = await self.queue.encode(decoded, check_hits=not read_here)
