@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -104,21 +106,35 @@ def commit(root: str) -> str | None:
 
 
 def tree(root: str) -> str | None:
-    """The git tree hash of the checkout's files as they are (tracked or not, unless ignored): the
-    code that ran, also where the checkout's history is stale or its changes uncommitted (`git log
-    --format='%h %t'` finds the commit of a tree). Written through a scratch index, so the
-    checkout's own index is left alone. None as for `commit`."""
+    """The git tree hash of the checkout's files as they are, tracked or not unless ignored (a
+    nested repository counts at its commit): it names the code that ran also where the checkout's
+    history is stale (`git log --all --format='%H %T'` finds a committed tree). Hashed through a
+    scratch index and object folder: the checkout's index and objects are left as they were.
+    None as for `commit`."""
     try:
         if not _is_checkout_top(root):
             return None
+        objects = _git(root, "rev-parse", "--git-path", "objects")
+        index = _git(root, "rev-parse", "--git-path", "index")
+        if objects.returncode != 0 or index.returncode != 0:
+            return None
         with tempfile.TemporaryDirectory() as scratch:
-            env = {**os.environ, "GIT_INDEX_FILE": os.path.join(scratch, "index")}
+            scratch_index = os.path.join(scratch, "index")
+            with contextlib.suppress(OSError):  # its stat data spares hashing unchanged files
+                shutil.copyfile(os.path.join(root, index.stdout.strip()), scratch_index)
+            os.mkdir(os.path.join(scratch, "objects"))
+            env = {
+                **os.environ,
+                "GIT_INDEX_FILE": scratch_index,
+                "GIT_OBJECT_DIRECTORY": os.path.join(scratch, "objects"),
+                "GIT_ALTERNATE_OBJECT_DIRECTORIES": os.path.join(root, objects.stdout.strip()),
+            }
             if _git(root, "add", "-A", env=env).returncode != 0:
                 return None
             written = _git(root, "write-tree", env=env)
     except (OSError, subprocess.SubprocessError):
         return None
-    return written.stdout.strip()[:7] if written.returncode == 0 else None
+    return written.stdout.strip() if written.returncode == 0 else None
 
 
 def _version(package: str) -> str | None:

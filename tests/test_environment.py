@@ -76,15 +76,17 @@ def test_the_tree_names_the_code_as_it_is_even_where_history_is_stale(tmp_path, 
     (tmp_path / "a.txt").write_text("one\n")
     git_env(tmp_path, "add", "-A")
     git_env(tmp_path, "commit", "-q", "-m", "one")
-    assert tree(str(tmp_path)) == git_env(tmp_path, "rev-parse", "--short=7", "HEAD^{tree}")
+    assert tree(str(tmp_path)) == git_env(tmp_path, "rev-parse", "HEAD^{tree}")
     # a newer commit's files over an older .git (as a copy of the working tree with a stale
     # history): the tree is the newer commit's, found by its tree hash
     (tmp_path / "a.txt").write_text("two\n")
     (tmp_path / "new.txt").write_text("new\n")
     (tmp_path / "scratch").mkdir()
     (tmp_path / "scratch" / "probe.txt").write_text("ignored\n")
+    objects = sorted(p.name for p in (tmp_path / ".git" / "objects").rglob("*"))
     ran = tree(str(tmp_path))
     assert not git_env(tmp_path, "diff", "--cached", "--name-only")  # the checkout's index is untouched
+    assert sorted(p.name for p in (tmp_path / ".git" / "objects").rglob("*")) == objects  # and its objects
     git_env(tmp_path, "add", "-A")
     git_env(tmp_path, "commit", "-q", "-m", "two")
-    assert ran == git_env(tmp_path, "rev-parse", "--short=7", "HEAD^{tree}")
+    assert ran == git_env(tmp_path, "rev-parse", "HEAD^{tree}")
