@@ -23,9 +23,10 @@ from models.protocol import EncoderOutput, ItemSpec, VisionEncoder
 from .selfcheck import synthetic_pixels
 
 ItemKey = tuple[ItemSpec, int]
-"""A distinct sample item: its spec and which of two pixel draws it has."""
+"""A distinct sample item: its spec and which of the `VARIANTS` pixel draws it has."""
 
 VARIANTS = 3
+"""Pixel draws equal items cycle through: rows moved by fewer items than this change the check."""
 
 
 def item_keys(specs: Sequence[ItemSpec]) -> list[ItemKey]:
