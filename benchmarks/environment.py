@@ -120,8 +120,8 @@ def tree(root: str) -> str | None:
             return None
         with tempfile.TemporaryDirectory() as scratch:
             scratch_index = os.path.join(scratch, "index")
-            with contextlib.suppress(OSError):  # its stat data spares hashing unchanged files
-                shutil.copyfile(os.path.join(root, index.stdout.strip()), scratch_index)
+            with contextlib.suppress(OSError):  # stat data spares hashing; its mtime keeps git's racy check
+                shutil.copy2(os.path.join(root, index.stdout.strip()), scratch_index)
             os.mkdir(os.path.join(scratch, "objects"))
             env = {
                 **os.environ,
