@@ -8,6 +8,7 @@ HTTP handlers fetch what they serialize, the handle's callers fetch for themselv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -220,7 +221,14 @@ class EncodeQueue:
         `choose_replica` is answered by an ordinary return, whose nested references Ray counts."""
         method = self.encoder.encode_pack
         async with method.choose_replica(pack) as selection:
-            return await method.dispatch(selection, pack)
+            response = method.dispatch(selection, pack)
+            try:
+                return await response
+            except asyncio.CancelledError:  # withdrawn: the replica drops the pack if it has not begun it
+                response.cancel()
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await response  # settled before the reservation is released
+                raise
 
     def _observe_pack(self, items: list[QueuedItem], budget: int | None) -> None:
         tokens = sum(item.spec.output_tokens for item in items)

@@ -13,6 +13,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException
 
 from .errors import RequestError
@@ -74,14 +75,20 @@ class BodyLimit:
                 what = f"request body of more than {limits.max_request_bytes} bytes exceeds max_request_bytes"
                 return await _refuse(router, send, RequestError(413, f"{what}={limits.max_request_bytes}"))
             more = message.get("more_body", False)
-        replayed = False
+        replayed = gone = False
 
         async def replay():
-            nonlocal replayed
+            nonlocal replayed, gone
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
+            try:
+                return await receive()
+            except TaskCancelledError:  # Serve's proxy says a client left this way, ASGI by a message
+                if not gone:
+                    gone = True
+                    router.count_rejection(499)
+                return {"type": "http.disconnect"}
 
         await self.app(scope, replay, send)
 

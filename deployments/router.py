@@ -126,7 +126,11 @@ class EncoderRouter:
     async def encode_http(self, body: EncodeRequest) -> Response:
         if body.model is not None and body.model != self.config.model.model_id:
             raise RequestError(404, f"model {body.model!r} is not served here; see /v1/models", "model")
-        return await self.service.encode_http(body)
+        try:
+            return await self.service.encode_http(body)
+        except asyncio.CancelledError:  # the client went away (Serve cancels its request)
+            self.count_rejection(499)
+            raise
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
@@ -201,6 +205,9 @@ class EncoderRouter:
             return await self.service.encode(items, cache, as_refs)
         except RequestError as error:  # over HTTP the exception handler counts it
             self.count_rejection(error.status)
+            raise
+        except asyncio.CancelledError:  # the caller cancelled its response
+            self.count_rejection(499)
             raise
 
     async def chat(self, messages: list[dict], **params) -> dict:

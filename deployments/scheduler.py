@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import itertools
 import logging
 import time
@@ -52,6 +53,8 @@ class PackStats:
     tokens: int = 0
     budget_tokens: int = 0
     dropped_cancelled: int = 0
+    abandoned_packs: int = 0
+    """Packs withdrawn after they were sent: every request with items in them went away."""
     failed_packs: int = 0
     retried_packs: int = 0
     """Packs resent after their encoder replica died."""
@@ -81,6 +84,7 @@ class PackStats:
             "max_requests_in_a_pack": self.max_requests_in_a_pack,
             "mean_fill": round(self.tokens / self.budget_tokens, 4) if self.budget_tokens else 0.0,
             "dropped_cancelled": self.dropped_cancelled,
+            "abandoned_packs": self.abandoned_packs,
             "failed_packs": self.failed_packs,
             "retried_packs": self.retried_packs,
             "split_packs": self.split_packs,
@@ -101,6 +105,16 @@ def _detached_task(coroutine) -> asyncio.Task:
     cancellation when that client leaves)."""
     loop = asyncio.get_running_loop()
     return contextvars.Context().run(loop.create_task, coroutine)
+
+
+def _withdraw_if_unwanted(
+    dispatch: asyncio.Future, items: list[QueuedItem], withdrawn: list[bool], _done: asyncio.Future
+) -> None:
+    """Withdraw a sent pack once none of its items is awaited (their requests gone): the encoder
+    replica drops it if it has not started it, instead of spending a forward on nobody."""
+    if not dispatch.done() and all(item.future.done() for item in items):
+        withdrawn.append(True)
+        dispatch.cancel()
 
 
 def packs_in_flight(running: int, per_replica: int, slots: int | None, routers: int) -> int:
@@ -253,9 +267,21 @@ class PackScheduler:
         live = [item for item in items if not item.future.done()]
         if not live:
             return
+        dispatch = asyncio.ensure_future(self._dispatch(modality, live))
+        withdrawn: list[bool] = []
+        watch = functools.partial(_withdraw_if_unwanted, dispatch, live, withdrawn)
+        for item in live:
+            item.future.add_done_callback(watch)
         try:
-            outputs = await self._dispatch(modality, live)
+            try:
+                outputs = await dispatch
+            finally:
+                for item in live:
+                    item.future.remove_done_callback(watch)
         except asyncio.CancelledError:
+            if withdrawn:  # every requester left
+                self.stats.abandoned_packs += 1
+                return
             for item in live:  # nobody may wait forever on a pack that was cancelled under it
                 if not item.future.done():
                     item.future.set_exception(self._final_error(ConnectionAbortedError("pack cancelled"), False))

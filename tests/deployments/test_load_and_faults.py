@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -339,3 +340,44 @@ def test_backpressure_answers_503_with_retry_after_and_timeouts_504(serve_harnes
     assert timed_out.status_code == 504 and "request_timeout_s=0.003" in timed_out.json()["error"]["message"]
     rejected = model_detail(httpx, url)["router"]["rejected"]
     assert rejected["overloaded"] >= 1 and rejected["timeout"] >= 1
+
+
+def test_clients_that_leave_are_counted_and_their_sent_packs_withdrawn(serve_harness):
+    """Six requests of 4,096 tokens each (a pack apiece, ~0.5 s of CPU forward), their clients
+    gone once two packs were sent: one pack is computing, one waits at the replica, the rest in
+    the router or still decoding. The waiting one is withdrawn (the replica drops it), the rest are dropped, every
+    request is counted as disconnected, and the service goes on serving."""
+    url = serve_harness.deploy("configs/local.yaml")
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    detail = model_detail(httpx, url)
+    before, ran_before = detail["router"], detail["replica"]["merged_packs"]
+    body = json.dumps({"items": [{"type": "image", "image": base64.b64encode(HEAVY).decode()}] * 4, "cache": False})
+    head = "POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(body)}\r\n\r\n"
+    clients = []
+    for _ in range(6):
+        client = socket.create_connection(("127.0.0.1", port))
+        client.sendall(head.encode() + body.encode())
+        clients.append(client)
+    deadline = time.monotonic() + 30
+    while model_detail(httpx, url)["router"]["packs"]["packs"] - before["packs"]["packs"] < 2:
+        assert time.monotonic() < deadline, "the requests' packs were not sent"
+        time.sleep(0.02)
+    for client in clients:  # one pack computing, one waiting at the replica, the rest in the router
+        client.close()
+    deadline, after = time.monotonic() + 60, before
+    while time.monotonic() < deadline:
+        after = model_detail(httpx, url)["router"]
+        if after["rejected"].get("disconnected", 0) - before["rejected"].get("disconnected", 0) >= 6:
+            break
+        time.sleep(0.5)
+    assert after["rejected"].get("disconnected", 0) - before["rejected"].get("disconnected", 0) == 6
+    assert after["packs"]["abandoned_packs"] - before["packs"]["abandoned_packs"] >= 1
+    with httpx.Client(timeout=60) as client:
+        image = {"type": "image", "image": base64.b64encode(POOL[0]).decode()}
+        small = client.post(url + "/v1/encode", json={"items": [image]})
+    assert small.status_code == 200
+    detail = model_detail(httpx, url)
+    sent = detail["router"]["packs"]["packs"] - before["packs"]["packs"]
+    ran = detail["replica"]["merged_packs"] - ran_before
+    assert ran <= sent - 1  # the replica never ran a withdrawn pack

@@ -101,6 +101,36 @@ def test_cancelled_items_are_dropped_before_their_pack_is_sent():
     assert sched.stats.dropped_cancelled == 2
 
 
+def test_a_sent_pack_is_withdrawn_once_every_request_in_it_left_and_only_then():
+    """A dispatch cancelled mid-flight is what tells the encoder replica to drop the pack."""
+
+    async def main():
+        cancelled = []
+
+        async def dispatch(modality, pack):
+            try:
+                await asyncio.sleep(5)
+            except asyncio.CancelledError:
+                cancelled.append([i.request_id for i in pack])
+                raise
+            return [ItemOutput(tokens=torch.zeros(i.spec.output_tokens, 1)) for i in pack]
+
+        sched = scheduler(dispatch, max_wait_s=0.01)
+        gone, left = items([30], "gone"), items([20], "left")
+        sched.submit(gone + left)  # one pack of two requests
+        await asyncio.sleep(0.05)  # sent
+        gone[0].future.cancel()
+        await asyncio.sleep(0.05)
+        one_left = list(cancelled)
+        left[0].future.cancel()
+        await asyncio.sleep(0.05)
+        return one_left, list(cancelled), sched.stats.abandoned_packs, sched.stats.failed_packs
+
+    one_left, cancelled, abandoned, failed = asyncio.run(main())
+    assert one_left == [] and cancelled == [["gone", "left"]]
+    assert abandoned == 1 and failed == 0
+
+
 def test_modalities_never_share_a_pack_and_oldest_goes_first():
     async def main():
         recorder = Recorder()
