@@ -18,29 +18,27 @@ import dataclasses
 import logging
 import sys
 import time
-from pathlib import Path
 
-import yaml
+import torch
 
 from encoder_graphs.runner import EncoderRunner
 
 from .app import deployment_ladder
 from .config import AppConfig
 from .encoder import load_encoder
-
-BUILD_APP = "deployments.app:build_app"
+from .validation import BUILD_APP, serve_config_apps
 
 
 def app_config(path: str, app: str | None = None) -> AppConfig:
     """The `args` of the application built by `deployments.app:build_app` in a Serve config file."""
-    document = yaml.safe_load(Path(path).read_text())
-    apps = [a for a in document.get("applications", []) if a.get("import_path") == BUILD_APP]
+    apps = serve_config_apps(path)
     if app is not None:
-        apps = [a for a in apps if a.get("name") == app]
+        apps = {name: args for name, args in apps.items() if name == app}
     if len(apps) != 1:
-        names = [a.get("name") for a in apps]
-        raise SystemExit(f"{path}: expected one application built by {BUILD_APP}, found {names}; pick one with --app")
-    return AppConfig.model_validate(apps[0].get("args") or {})
+        raise SystemExit(
+            f"{path}: expected one application built by {BUILD_APP}, found {list(apps)}; pick one with --app"
+        )
+    return AppConfig.model_validate(next(iter(apps.values())))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     if not graphs.compile or graphs.compile_cache is None:
         raise SystemExit("set graphs.compile: true and graphs.compile_cache (or --dir): there is nothing to cache")
     config = config.model_copy(update={"graphs": graphs})
+    if config.model.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("this machine has no CUDA GPU: run it on a GPU of the kind that will serve")
     start = time.perf_counter()
     encoder = load_encoder(config)
     runner = EncoderRunner(encoder, graphs, deployment_ladder(config))

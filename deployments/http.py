@@ -156,6 +156,9 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         param = f"items[{location[1]}]"
     else:
         param = ".".join(str(part) for part in location) or None
-    fields = ".".join(str(part) for part in location[2:])
+    fields = location[2:]
+    if fields[:1] in (["image"], ["video"]):  # the item's type, which pydantic puts in the path of its fields
+        fields = fields[1:]
+    fields = ".".join(str(part) for part in fields)
     message = f"{param or 'body'}{'.' + fields if fields else ''}: {first.get('msg', 'invalid')}"
     return JSONResponse(RequestError(400, message, param=param).body(), status_code=400)

@@ -9,6 +9,7 @@ bytes reach, and a worker that hangs or runs away can be killed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -109,15 +110,27 @@ def _opened(data: Any, index: int, limits: Limits) -> Image.Image:
     return images.open_image(data, index, limits)
 
 
+def _each_frame(frames: list, index: int, step: Callable[[Any], Any]) -> list:
+    """`step` of each of an item's frames; an error about one names it (`items[0]: frames[3] ...`)."""
+    done = []
+    for at, frame in enumerate(frames):
+        try:
+            done.append(step(frame))
+        except RequestError as error:
+            message = f"items[{index}]: frames[{at}] " + error.message.removeprefix(f"items[{index}]: ")
+            raise RequestError(error.status, message, error.param, error.error_type) from None
+    return done
+
+
 def _inspect_frames(frames: list, index: int, limits: Limits, pre: VisionPreprocessor) -> Inspection:
     if not frames:
         raise item_error(index, 400, "video has no frames")
     if len(frames) > limits.max_video_frames:
         raise item_error(index, 413, f"{len(frames)} frames exceeds max_video_frames={limits.max_video_frames}")
-    frames = [_bytes(f, index, limits) for f in frames]
+    frames = _each_frame(frames, index, lambda f: _bytes(f, index, limits))
     if sum(len(f) for f in frames if isinstance(f, bytes)) > limits.max_item_bytes:
         raise item_error(index, 413, f"frames total more than max_item_bytes={limits.max_item_bytes}")
-    sizes = {_upright_size(_opened(f, index, limits)) for f in frames}
+    sizes = set(_each_frame(frames, index, lambda f: _upright_size(_opened(f, index, limits))))
     if len(sizes) != 1:
         raise item_error(index, 400, f"video frames differ in size: {sorted((w, h) for h, w in sizes)}")
     height, width = sizes.pop()

@@ -8,8 +8,10 @@ retry), so every check here raises `ConfigError` naming the key, the value and t
 from __future__ import annotations
 
 import difflib
+import sys
 from pathlib import Path
 
+import yaml
 from pydantic import BaseModel, ValidationError
 from ray.serve.exceptions import RayServeException
 
@@ -101,3 +103,40 @@ def validate(args) -> AppConfig:
         check_path("llm.path", config.llm.path, config.llm.family)
         check_device("llm.device", config.llm.device)
     return config
+
+
+BUILD_APP = "deployments.app:build_app"
+
+
+def serve_config_apps(path: str) -> dict[str, dict]:
+    """The `args` of each application a Serve config file builds with `deployments.app:build_app`, by name."""
+    document = yaml.safe_load(Path(path).read_text()) or {}
+    return {
+        app.get("name", "default"): app.get("args") or {}
+        for app in document.get("applications", [])
+        if app.get("import_path") == BUILD_APP
+    }
+
+
+def check_file(path: str) -> list[str]:
+    """What the build would refuse in a Serve config file's applications, one line each (the
+    device check excepted: it asks the running cluster for GPUs)."""
+    problems = []
+    apps = serve_config_apps(path)
+    if not apps:
+        return [f"{path}: no application with import_path {BUILD_APP}"]
+    for name, args in apps.items():
+        try:
+            config = parse_args(args)
+            check_path("model.path", config.model.path, config.model.family if config.model.path else None)
+            if config.llm is not None:
+                check_path("llm.path", config.llm.path, config.llm.family)
+        except ConfigError as error:
+            problems.append(f"{path}: application {name!r}: {error}")
+    return problems
+
+
+if __name__ == "__main__":  # python -m deployments.validation configs/my.yaml ...
+    found = [problem for path in sys.argv[1:] for problem in check_file(path)]
+    print("\n".join(found) or f"ok: {' '.join(sys.argv[1:])}")
+    sys.exit(1 if found else 0)

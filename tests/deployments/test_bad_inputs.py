@@ -248,6 +248,7 @@ def case(id, body, status, param, *message, app="default", marks=()) -> pytest.p
 CASES = [
     # -- base64 and bytes
     case("invalid base64", lambda: one(image_text("not base64!!")), 400, "items[0]", "base64"),
+    case("a URL", lambda: second(image_text("https://example.com/cat.png")), 400, "items[1]", "is a URL", "data: URL"),
     case("base64 with bad padding", lambda: second(image_text("iVBORw0KGgo")), 400, "items[1]", "base64"),
     case("zero bytes", lambda: one(image_text("")), 400, "items[0]", "empty"),
     case("data URL of zero bytes", lambda: one(image_text("data:image/png;base64,")), 400, "items[0]", "empty"),
@@ -309,7 +310,7 @@ CASES = [
     case("unknown field in an item", lambda: second({**GOOD_ITEM, "detail": "high"}), 400, "items[1]", "detail"),
     case("item of type audio", lambda: one({"type": "audio", "audio": b64(b"RIFF")}), 400, "items[0]"),
     case("item without type", lambda: second({"image": b64(GOOD_FILE)}), 400, "items[1]"),
-    case("image item without image", lambda: one({"type": "image"}), 400, "items[0]", "image"),
+    case("image item without image", lambda: one({"type": "image"}), 400, "items[0]", "items[0].image: Field required"),
     case("item that is a string", lambda: second(b64(GOOD_FILE)), 400, "items[1]"),
     case("body that is a JSON list", lambda: [GOOD_ITEM], 400, None),
     case("body that is not JSON", lambda: b'{"items": [', 400, None, "JSON"),
@@ -317,6 +318,7 @@ CASES = [
     case("frames of different sizes", lambda: second(video(png(64, 48), png(48, 64))), 400, "items[1]", "differ"),
     case("video of zero frames", lambda: one({"type": "video", "frames": []}), 400, "items[0]", "no frames"),
     case("video with a truncated frame", lambda: one(video(png(64, 48), png(64, 48)[:100])), 400, "items[0]"),
+    case("a frame that is not an image", lambda: one(video(png(64, 48), TEXT)), 400, "items[0]", "frames[1] is not"),
     case("frames and a file", lambda: one({**video(GOOD_FILE), "video": b64(mp4())}), 400, "items[0]", "exactly one"),
     case("neither frames nor a file", lambda: one({"type": "video"}), 400, "items[0]", "exactly one"),
     case(

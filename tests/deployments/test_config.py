@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import yaml
@@ -137,6 +138,24 @@ def test_every_shipped_config_validates_and_names_our_deployments():
             AppConfig.model_validate(app.get("args", {}))
             named = {d["name"] for d in app.get("deployments", [])}
             assert named <= ours, f"{path.name}: {sorted(named - ours)} are not deployments of this package"
+
+
+def test_a_config_file_is_checked_as_its_build_would_check_it(tmp_path):
+    """`python -m deployments.validation FILE` finds what `serve run` would only report once Ray
+    and Serve are up, and finds nothing in a good file."""
+    from deployments.validation import check_file
+
+    bad = tmp_path / "bad.yaml"
+    app = {"import_path": "deployments.app:build_app", "args": {"router": {"max_wiat_ms": 3}}}
+    bad.write_text(yaml.safe_dump({"applications": [{"name": "enc", **app}]}))
+    assert check_file(str(bad)) == [
+        f"{bad}: application 'enc': invalid application args: unknown key `router.max_wiat_ms`: did you mean "
+        "`max_wait_ms`?"
+    ]
+    assert check_file(str(Path(__file__).parents[2] / "configs" / "local.yaml")) == []
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump({"applications": [{"name": "x", "import_path": "somewhere:else"}]}))
+    assert "no application with import_path deployments.app:build_app" in check_file(str(other))[0]
 
 
 def test_the_application_build_imports_no_torch_and_binds_every_deployment():
