@@ -31,14 +31,11 @@ from .validation import BUILD_APP, serve_config_apps
 
 def app_config(path: str, app: str | None = None) -> AppConfig:
     """The `args` of the application built by `deployments.app:build_app` in a Serve config file."""
-    apps = serve_config_apps(path)
-    if app is not None:
-        apps = {name: args for name, args in apps.items() if name == app}
+    apps = [(name, args) for name, args in serve_config_apps(path) if app is None or name == app]
     if len(apps) != 1:
-        raise SystemExit(
-            f"{path}: expected one application built by {BUILD_APP}, found {list(apps)}; pick one with --app"
-        )
-    return AppConfig.model_validate(next(iter(apps.values())))
+        found = [name for name, _ in apps]
+        raise SystemExit(f"{path}: expected one application built by {BUILD_APP}, found {found}; pick one with --app")
+    return AppConfig.model_validate(apps[0][1])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -162,6 +162,7 @@ class EncodeQueue:
             self.scheduler.submit(new)
             self.metrics.queued_tokens.set(self.scheduler.queued_tokens)
             shielded = asyncio.gather(*(asyncio.shield(future) for future in waits))
+            shielded.add_done_callback(_retrieved)  # a request that left never reads it
             return await asyncio.wait_for(shielded, self.config.router.request_timeout_s)
         except Overloaded as exc:
             raise overloaded(str(exc), self.config.router.retry_after_s) from None
@@ -225,8 +226,8 @@ class EncodeQueue:
             try:
                 return await response
             except asyncio.CancelledError:  # withdrawn: the replica drops the pack if it has not begun it
-                response.cancel()
                 with contextlib.suppress(Exception, asyncio.CancelledError):
+                    response.cancel()  # may raise what the dispatch raised meanwhile
                     await response  # settled before the reservation is released
                 raise
 
@@ -270,3 +271,9 @@ class EncodeQueue:
                 "inflight_dedup": self.inflight.joined,
             },
         }
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """Mark a future's exception as read (asyncio logs one nobody read as an error)."""
+    if not future.cancelled():
+        future.exception()

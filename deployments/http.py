@@ -42,8 +42,8 @@ class BodyLimit:
     A declared Content-Length over the limit is refused before reading; otherwise the body is
     read up to the limit (413 as soon as it passes it) and within the time limit (408: a slow
     client must not hold a request slot). The router parses the whole body anyway, so reading
-    it here first holds no more than the limit. A client that leaves mid-upload is counted,
-    not logged as an error."""
+    it here first holds no more than the limit. A client that leaves, mid-upload or while its
+    response streams, is counted, not logged as an error."""
 
     def __init__(self, app):
         self.app = app
@@ -57,40 +57,58 @@ class BodyLimit:
         if declared.isdigit() and int(declared) > limits.max_request_bytes:
             what = f"request body of {int(declared)} bytes exceeds max_request_bytes={limits.max_request_bytes}"
             return await _refuse(router, send, RequestError(413, what))
+        client = _Client(receive, router)
         chunks, received, more = [], 0, True
         deadline = asyncio.get_running_loop().time() + settings.body_timeout_s
         while more:
             remaining = deadline - asyncio.get_running_loop().time()
             try:
-                message = await asyncio.wait_for(receive(), max(remaining, 0.001))
+                message = await asyncio.wait_for(client.receive(), max(remaining, 0.001))
             except asyncio.TimeoutError:
                 error = RequestError(408, f"request body not received within body_timeout_s={settings.body_timeout_s}")
                 return await _refuse(router, send, error)
             if message["type"] != "http.request":
-                router.count_rejection(499)  # the client went away
-                return
+                return  # the client went away (counted)
             chunks.append(message.get("body", b""))
             received += len(chunks[-1])
             if received > limits.max_request_bytes:
                 what = f"request body of more than {limits.max_request_bytes} bytes exceeds max_request_bytes"
                 return await _refuse(router, send, RequestError(413, f"{what}={limits.max_request_bytes}"))
             more = message.get("more_body", False)
-        replayed = gone = False
+        replayed = False
 
         async def replay():
-            nonlocal replayed, gone
+            nonlocal replayed
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            try:
-                return await receive()
-            except TaskCancelledError:  # Serve's proxy says a client left this way, ASGI by a message
-                if not gone:
-                    gone = True
-                    router.count_rejection(499)
-                return {"type": "http.disconnect"}
+            return await client.receive()
 
         await self.app(scope, replay, send)
+
+
+class _Client:
+    """One request's client messages, where a client that left is an `http.disconnect`, counted
+    once (as 499) and repeated on every later call. Serve's proxy reports it by raising
+    `TaskCancelledError` instead, after which its `receive` would wait forever."""
+
+    DISCONNECT = {"type": "http.disconnect"}
+
+    def __init__(self, receive, router):
+        self._receive, self._router = receive, router
+        self.gone = False
+
+    async def receive(self) -> dict:
+        if self.gone:
+            return self.DISCONNECT
+        try:
+            message = await self._receive()
+        except TaskCancelledError:
+            message = self.DISCONNECT
+        if message["type"] == "http.disconnect":
+            self.gone = True
+            self._router.count_rejection(499)
+        return message
 
 
 async def _refuse(router, send, error: RequestError) -> None:

@@ -118,7 +118,7 @@ def _each_frame(frames: list, index: int, step: Callable[[Any], Any]) -> list:
             done.append(step(frame))
         except RequestError as error:
             message = f"items[{index}]: frames[{at}] " + error.message.removeprefix(f"items[{index}]: ")
-            raise RequestError(error.status, message, error.param, error.error_type) from None
+            raise type(error)(error.status, message, error.param, error.error_type, error.headers) from None
     return done
 
 
@@ -194,7 +194,7 @@ def decode(raw: RawItem, found: Inspection, limits: Limits, pre: VisionPreproces
     if found.probe is not None:
         arrays = video.decode_frames(found.data, found.probe, found.frame_indices, index, limits)
     elif raw.kind == "frames":
-        arrays = [images.to_rgb_array(_opened(f, index, limits), index) for f in found.data]
+        arrays = _each_frame(found.data, index, lambda f: images.to_rgb_array(_opened(f, index, limits), index))
     else:
         arrays = [_image_array(found.data, index, limits, pre)]
     if len({a.shape for a in arrays}) != 1:

@@ -193,7 +193,11 @@ class EncoderRouter:
 
     @api.post("/v1/chat/completions")
     async def chat_http(self, body: ChatRequest):
-        return await self.service.chat(body)
+        try:
+            return await self.service.chat(body)
+        except asyncio.CancelledError:  # the client went away (Serve cancels its request)
+            self.count_rejection(499)
+            raise
 
     # ---- Python handle ----
 
@@ -216,6 +220,9 @@ class EncoderRouter:
             return await self.service.chat(parse_chat_request({"messages": messages, **params}))
         except RequestError as error:
             self.count_rejection(error.status)
+            raise
+        except asyncio.CancelledError:  # the caller cancelled its response
+            self.count_rejection(499)
             raise
 
     # ---- bookkeeping ----

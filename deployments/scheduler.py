@@ -54,7 +54,8 @@ class PackStats:
     budget_tokens: int = 0
     dropped_cancelled: int = 0
     abandoned_packs: int = 0
-    """Packs withdrawn after they were sent: every request with items in them went away."""
+    """Packs withdrawn once handed to dispatch (waiting for a replica slot, sent, or already
+    computing there): every request with items in them went away."""
     failed_packs: int = 0
     retried_packs: int = 0
     """Packs resent after their encoder replica died."""
@@ -112,9 +113,11 @@ def _withdraw_if_unwanted(
 ) -> None:
     """Withdraw a sent pack once none of its items is awaited (their requests gone): the encoder
     replica drops it if it has not started it, instead of spending a forward on nobody."""
-    if not dispatch.done() and all(item.future.done() for item in items):
+    if not dispatch.done() and all(item.future.done() for item in items) and not withdrawn:
         withdrawn.append(True)
-        dispatch.cancel()
+        # Next round, not now: a dispatch task cancelled before its first step would skip the
+        # code that gives back the replica slot it reserved.
+        asyncio.get_running_loop().call_soon(dispatch.cancel)
 
 
 def packs_in_flight(running: int, per_replica: int, slots: int | None, routers: int) -> int:

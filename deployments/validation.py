@@ -94,49 +94,63 @@ def check_device(key: str, device: str) -> None:
         )
 
 
-def validate(args) -> AppConfig:
-    """Everything that can be checked before any replica starts."""
+def validate(args, devices: bool = True) -> AppConfig:
+    """Everything that can be checked before any replica starts (`devices`: whether the running
+    cluster has the GPUs the config asks for)."""
     config = parse_args(args)
     check_path("model.path", config.model.path, config.model.family if config.model.path else None)
-    check_device("model.device", config.model.device)
+    if devices:
+        check_device("model.device", config.model.device)
     if config.llm is not None:
         check_path("llm.path", config.llm.path, config.llm.family)
-        check_device("llm.device", config.llm.device)
+        if devices:
+            check_device("llm.device", config.llm.device)
     return config
 
 
 BUILD_APP = "deployments.app:build_app"
 
 
-def serve_config_apps(path: str) -> dict[str, dict]:
-    """The `args` of each application a Serve config file builds with `deployments.app:build_app`, by name."""
-    document = yaml.safe_load(Path(path).read_text()) or {}
-    return {
-        app.get("name", "default"): app.get("args") or {}
-        for app in document.get("applications", [])
-        if app.get("import_path") == BUILD_APP
-    }
+def serve_config_apps(path: str) -> list[tuple[str, dict]]:
+    """(name, `args`) of each application a Serve config file builds with `deployments.app:build_app`."""
+    document = yaml.safe_load(Path(path).read_text())
+    applications = document.get("applications", []) if isinstance(document, dict) else []
+    return [
+        (app.get("name", "default"), app.get("args") or {})
+        for app in applications
+        if isinstance(app, dict) and app.get("import_path") == BUILD_APP
+    ]
 
 
 def check_file(path: str) -> list[str]:
-    """What the build would refuse in a Serve config file's applications, one line each (the
-    device check excepted: it asks the running cluster for GPUs)."""
-    problems = []
-    apps = serve_config_apps(path)
+    """What the build would refuse in a Serve config file's applications, one line each: the
+    build's own checks (`validate`, the budget ladder), but for the GPUs, which it asks the
+    running cluster for."""
+    from encoder_graphs.budgets import BudgetConfigError
+
+    from .app import deployment_ladder  # the builder imports this module
+
+    try:
+        apps = serve_config_apps(path)
+    except (OSError, yaml.YAMLError) as error:
+        return [f"{path}: {error}"]
     if not apps:
         return [f"{path}: no application with import_path {BUILD_APP}"]
-    for name, args in apps.items():
+    names = [name for name, _ in apps]
+    problems = [
+        f"{path}: application name {n!r} is used twice" for n in sorted({n for n in names if names.count(n) > 1})
+    ]
+    for name, args in apps:
         try:
-            config = parse_args(args)
-            check_path("model.path", config.model.path, config.model.family if config.model.path else None)
-            if config.llm is not None:
-                check_path("llm.path", config.llm.path, config.llm.family)
-        except ConfigError as error:
+            deployment_ladder(validate(args, devices=False))
+        except (ConfigError, BudgetConfigError) as error:
             problems.append(f"{path}: application {name!r}: {error}")
     return problems
 
 
 if __name__ == "__main__":  # python -m deployments.validation configs/my.yaml ...
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m deployments.validation CONFIG.yaml ...")
     found = [problem for path in sys.argv[1:] for problem in check_file(path)]
     print("\n".join(found) or f"ok: {' '.join(sys.argv[1:])}")
     sys.exit(1 if found else 0)

@@ -317,7 +317,7 @@ CASES = [
     # -- videos as frames
     case("frames of different sizes", lambda: second(video(png(64, 48), png(48, 64))), 400, "items[1]", "differ"),
     case("video of zero frames", lambda: one({"type": "video", "frames": []}), 400, "items[0]", "no frames"),
-    case("video with a truncated frame", lambda: one(video(png(64, 48), png(64, 48)[:100])), 400, "items[0]"),
+    case("a truncated frame", lambda: one(video(png(64, 48), png(64, 48)[:100])), 400, "items[0]", "frames[1]"),
     case("a frame that is not an image", lambda: one(video(png(64, 48), TEXT)), 400, "items[0]", "frames[1] is not"),
     case("frames and a file", lambda: one({**video(GOOD_FILE), "video": b64(mp4())}), 400, "items[0]", "exactly one"),
     case("neither frames nor a file", lambda: one({"type": "video"}), 400, "items[0]", "exactly one"),

@@ -153,6 +153,12 @@ def test_a_config_file_is_checked_as_its_build_would_check_it(tmp_path):
         "`max_wait_ms`?"
     ]
     assert check_file(str(Path(__file__).parents[2] / "configs" / "local.yaml")) == []
+    ladder = tmp_path / "ladder.yaml"  # what only the budget ladder refuses
+    app = {"import_path": "deployments.app:build_app", "args": {"graphs": {"max_budget_tokens": 1}}}
+    ladder.write_text(yaml.safe_dump({"applications": [app, app]}))
+    problems = check_file(str(ladder))
+    assert "application name 'default' is used twice" in problems[0]
+    assert len(problems) == 3 and "max_budget_tokens=1" in problems[1]
     other = tmp_path / "other.yaml"
     other.write_text(yaml.safe_dump({"applications": [{"name": "x", "import_path": "somewhere:else"}]}))
     assert "no application with import_path deployments.app:build_app" in check_file(str(other))[0]
