@@ -2,9 +2,10 @@
 
 One encoder request may be a thumbnail or a minute of video, so Serve's default policy, which
 counts requests, misjudges load. Each encoder replica reports
-`record_autoscaling_stats() -> {"queued_tokens": ..., "inflight_tokens": ...}`; this policy sums
-the latest report of every running replica and asks for
-`ceil(total_tokens / target_tokens_per_replica)` replicas.
+`record_autoscaling_stats() -> {"queued_tokens": ..., "inflight_tokens": ...}` and the tokens
+each router holds back while the replicas' slots are taken (every pack says how many its router
+held); this policy sums the latest report of every running replica, and each router's once, and
+asks for `ceil(total_tokens / target_tokens_per_replica)` replicas.
 
 Picking `target_tokens_per_replica`: a replica holding T tokens drains them in T / throughput
 seconds, so set target = tokens/s per replica x acceptable queueing seconds. Take tokens/s per
@@ -47,6 +48,38 @@ from ray.serve.config import AutoscalingContext
 QUEUED_TOKENS_METRIC = "queued_tokens"
 INFLIGHT_TOKENS_METRIC = "inflight_tokens"
 TOKEN_METRICS = (QUEUED_TOKENS_METRIC, INFLIGHT_TOKENS_METRIC)
+ROUTER_WAITING_PREFIX = "router_waiting_tokens:"
+"""Metrics named `<prefix><router id>`: tokens a router holds back while the replicas are full."""
+ROUTER_REPORT_S = 10.0
+"""How long a replica repeats what a router's last pack said (a router with work sends often)."""
+
+
+def router_waiting_metrics(waiting: Mapping[str, int]) -> dict[str, float]:
+    """A replica's report of the routers' held-back tokens, one metric per router."""
+    return {ROUTER_WAITING_PREFIX + router: float(tokens) for router, tokens in waiting.items()}
+
+
+def routers_waiting_tokens(
+    raw_metrics: Mapping[str, Mapping[Any, Sequence[Any]]],
+    running_replicas: Sequence[Any],
+    now_s: float,
+    stale_after_s: float,
+) -> float:
+    """The routers' held-back tokens: for each router, the newest fresh report any running replica
+    made of it (several replicas hear from one router: it counts once)."""
+    total = 0.0
+    for name, by_replica in raw_metrics.items():
+        if not name.startswith(ROUTER_WAITING_PREFIX):
+            continue
+        newest = None
+        for replica_id in running_replicas:
+            series = by_replica.get(replica_id)
+            if series and now_s - series[-1].timestamp <= stale_after_s:
+                if newest is None or series[-1].timestamp > newest.timestamp:
+                    newest = series[-1]
+        if newest is not None:
+            total += max(float(newest.value), 0.0)
+    return total
 
 
 class AutoscalingPolicyConfigError(ValueError):
@@ -153,14 +186,17 @@ class TokenAutoscalingPolicy:
 
     def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
         now_s = ctx.current_time if ctx.current_time is not None else time.time()
-        load = sum_token_load(ctx.raw_metrics or {}, ctx.running_replicas, now_s, staleness_limit_s(ctx.config))
+        stale_after_s = staleness_limit_s(ctx.config)
+        load = sum_token_load(ctx.raw_metrics or {}, ctx.running_replicas, now_s, stale_after_s)
+        # Tokens the routers hold back while every replica slot is taken: the replicas cannot count them.
+        waiting = routers_waiting_tokens(ctx.raw_metrics or {}, ctx.running_replicas, now_s, stale_after_s)
         # No running replica means no report at all (say, all restarting): hold, too.
         metrics_complete = bool(ctx.running_replicas) and load.replicas_without_data == 0
         # Requests waiting at handles are load even before a replica has counted their tokens.
         has_requests = (ctx.total_num_requests or 0) > 0
         min_replicas = max(ctx.capacity_adjusted_min_replicas, 1 if has_requests else 0)
         replicas = desired_replicas(
-            load.total_tokens,
+            load.total_tokens + waiting,
             ctx.target_num_replicas,
             self.target_tokens_per_replica,
             min(min_replicas, ctx.capacity_adjusted_max_replicas),

@@ -95,6 +95,8 @@ class EncodeQueue:
         self.config = config
         self.encoder = encoder
         self.fleet = fleet
+        self.router_id = uuid.uuid4().hex[:12]
+        """Names this queue's packs to the replicas, which report its held-back tokens per router."""
         self.metrics = metrics
         router = config.router
         self.scheduler = PackScheduler(
@@ -200,7 +202,16 @@ class EncodeQueue:
 
     async def _dispatch(self, modality: str, items: list[QueuedItem]) -> list[Encoded]:
         pixels, specs = [i.pixels for i in items], [i.spec for i in items]
-        pack = PackRequest(self.scheduler.next_pack_id(), modality, pixels, specs, len({i.request_id for i in items}))
+        requests = len({i.request_id for i in items})
+        pack = PackRequest(
+            self.scheduler.next_pack_id(),
+            modality,
+            pixels,
+            specs,
+            requests,
+            self.router_id,
+            self.scheduler.waiting_tokens,
+        )
         start = time.perf_counter()
         try:
             result = await self._send(pack)

@@ -28,6 +28,7 @@ from encoder_graphs.runner import EncoderRunner
 from models import from_checkpoint, from_preset
 from models.protocol import ItemOutput, ItemSpec, from_wire, to_wire
 
+from .autoscaling import ROUTER_REPORT_S, router_waiting_metrics
 from .config import AppConfig
 from .metrics import EncoderMetrics, refresh_gauges
 from .process import before_constructor
@@ -48,6 +49,11 @@ class PackRequest:
     specs: list[ItemSpec]
     requests: int = 1
     """Distinct requests whose items the pack holds."""
+    router: str = ""
+    """The sending router's id."""
+    router_waiting_tokens: int = 0
+    """Tokens that router held back, not yet sent to any replica, when it sent this pack: load
+    the replicas' own counts miss, which the autoscaler adds (`record_autoscaling_stats`)."""
 
     @property
     def tokens(self) -> int:
@@ -55,11 +61,20 @@ class PackRequest:
 
     def __reduce__(self):  # pixels as numpy: a pickled tensor costs 6x more router CPU per byte
         pixels = [to_wire(p) for p in self.pixels]
-        return (_pack_from_wire, (self.pack_id, self.modality, pixels, self.specs, self.requests))
+        fields = (
+            self.pack_id,
+            self.modality,
+            pixels,
+            self.specs,
+            self.requests,
+            self.router,
+            self.router_waiting_tokens,
+        )
+        return (_pack_from_wire, fields)
 
 
-def _pack_from_wire(pack_id: int, modality: str, pixels: list, specs: list[ItemSpec], requests: int = 1) -> PackRequest:
-    return PackRequest(pack_id, modality, [from_wire(p) for p in pixels], specs, requests)
+def _pack_from_wire(pack_id: int, modality: str, pixels: list, specs: list[ItemSpec], *rest) -> PackRequest:
+    return PackRequest(pack_id, modality, [from_wire(p) for p in pixels], specs, *rest)
 
 
 @dataclass
@@ -171,6 +186,8 @@ class EncoderReplica:
         self.metrics = EncoderMetrics()
         self._queued_tokens = 0
         self._inflight_tokens = 0
+        self._routers_waiting: dict[str, tuple[int, float]] = {}
+        """Per router, the tokens it held back as its last pack here said, and when (wall clock)."""
         self._stop_gauges = refresh_gauges(self._set_gauges)
         self.actor_id = ray.get_runtime_context().get_actor_id()
         self.ready_s = time.perf_counter() - start
@@ -202,6 +219,8 @@ class EncoderReplica:
 
     async def encode_pack(self, pack: PackRequest) -> PackResult:
         self._count(queued=pack.tokens)
+        if pack.router:
+            self._routers_waiting[pack.router] = (pack.router_waiting_tokens, time.time())
         waiting = Waiting(pack, time.perf_counter(), asyncio.get_running_loop().create_future())
         self._waiting.append(waiting)
         if self._drain is None or self._drain.done():
@@ -419,7 +438,17 @@ class EncoderReplica:
         }
 
     def record_autoscaling_stats(self) -> dict:
-        return {"queued_tokens": float(self._queued_tokens), "inflight_tokens": float(self._inflight_tokens)}
+        """This replica's tokens, and each router's held-back tokens as the router's last pack
+        here said (`router_waiting_metrics`; the policy counts each router once)."""
+        now = time.time()
+        for router, (_, at) in list(self._routers_waiting.items()):
+            if now - at > ROUTER_REPORT_S:
+                del self._routers_waiting[router]
+        return {
+            "queued_tokens": float(self._queued_tokens),
+            "inflight_tokens": float(self._inflight_tokens),
+            **router_waiting_metrics({r: tokens for r, (tokens, _) in self._routers_waiting.items()}),
+        }
 
     def describe(self) -> dict:
         return {

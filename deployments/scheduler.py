@@ -169,7 +169,12 @@ class PackScheduler:
 
     @property
     def queued_tokens(self) -> int:
-        return sum(item.spec.output_tokens for item in self._queue) + self._inflight_tokens
+        return self.waiting_tokens + self._inflight_tokens
+
+    @property
+    def waiting_tokens(self) -> int:
+        """Tokens queued here, not yet handed to dispatch."""
+        return sum(item.spec.output_tokens for item in self._queue)
 
     def check_room(self, tokens: int) -> None:
         """Raise Overloaded if `tokens` more would exceed the bound."""

@@ -106,6 +106,9 @@ def test_every_metric_reports_sensible_values_after_a_known_workload(serve_harne
 
 
 def test_sustained_load_scales_encoders_up_and_idle_scales_them_back(serve_harness):
+    """The replica takes one pack at a time and its router keeps one in flight, so the replica
+    never counts more than one pack (at most the largest budget, 4,096 tokens, under the target
+    of 5,000): the load that adds a replica is what the router holds back, as its packs report it."""
     autoscaling = {
         "min_replicas": 1,
         "max_replicas": 2,
@@ -115,15 +118,16 @@ def test_sustained_load_scales_encoders_up_and_idle_scales_them_back(serve_harne
         "look_back_period_s": 2,
         "policy": {
             "policy_function": "deployments.autoscaling:TokenAutoscalingPolicy",
-            "policy_kwargs": {"target_tokens_per_replica": 100},
+            "policy_kwargs": {"target_tokens_per_replica": 5000},
         },
     }
+    replica = {"num_replicas": None, "autoscaling_config": autoscaling, "max_ongoing_requests": 1}
     url = serve_harness.deploy(
         "configs/local.yaml",
         name="autoscale",
         route_prefix="/autoscale",
-        deployments={"EncoderReplica": {"num_replicas": None, "autoscaling_config": autoscaling}},
-        router={"max_wait_ms": 5, "cache_bytes": 0},
+        deployments={"EncoderReplica": replica},
+        router={"max_wait_ms": 5, "cache_bytes": 0, "packs_in_flight_per_replica": 1},
     )
 
     def replicas() -> int:
