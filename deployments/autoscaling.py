@@ -50,13 +50,20 @@ INFLIGHT_TOKENS_METRIC = "inflight_tokens"
 TOKEN_METRICS = (QUEUED_TOKENS_METRIC, INFLIGHT_TOKENS_METRIC)
 ROUTER_WAITING_PREFIX = "router_waiting_tokens:"
 """Metrics named `<prefix><router id>`: tokens a router holds back while the replicas are full."""
+ROUTER_SENT_PREFIX = "router_sent_at:"
+"""Metrics named `<prefix><router id>`: when (the router's clock) it sent the pack that said so."""
 ROUTER_REPORT_S = 10.0
 """How long a replica repeats what a router's last pack said (a router with work sends often)."""
 
 
-def router_waiting_metrics(waiting: Mapping[str, int]) -> dict[str, float]:
-    """A replica's report of the routers' held-back tokens, one metric per router."""
-    return {ROUTER_WAITING_PREFIX + router: float(tokens) for router, tokens in waiting.items()}
+def router_waiting_metrics(waiting: Mapping[str, tuple[int, float]]) -> dict[str, float]:
+    """A replica's report of the routers' held-back tokens: per router, the tokens its last pack
+    here said and when the router sent it."""
+    metrics = {}
+    for router, (tokens, sent_at) in waiting.items():
+        metrics[ROUTER_WAITING_PREFIX + router] = float(tokens)
+        metrics[ROUTER_SENT_PREFIX + router] = float(sent_at)
+    return metrics
 
 
 def routers_waiting_tokens(
@@ -65,20 +72,21 @@ def routers_waiting_tokens(
     now_s: float,
     stale_after_s: float,
 ) -> float:
-    """The routers' held-back tokens: for each router, the newest fresh report any running replica
-    made of it (several replicas hear from one router: it counts once)."""
+    """The routers' held-back tokens: for each router, what its most recently sent pack said, among
+    the fresh reports of running replicas (several replicas hear from one router: it counts once)."""
     total = 0.0
     for name, by_replica in raw_metrics.items():
         if not name.startswith(ROUTER_WAITING_PREFIX):
             continue
-        newest = None
+        sent = raw_metrics.get(ROUTER_SENT_PREFIX + name.removeprefix(ROUTER_WAITING_PREFIX), {})
+        newest = None  # (sent at, tokens)
         for replica_id in running_replicas:
-            series = by_replica.get(replica_id)
-            if series and now_s - series[-1].timestamp <= stale_after_s:
-                if newest is None or series[-1].timestamp > newest.timestamp:
-                    newest = series[-1]
+            tokens, at = by_replica.get(replica_id), sent.get(replica_id)
+            if tokens and at and now_s - tokens[-1].timestamp <= stale_after_s:
+                if newest is None or at[-1].value > newest[0]:
+                    newest = (at[-1].value, tokens[-1].value)
         if newest is not None:
-            total += max(float(newest.value), 0.0)
+            total += max(float(newest[1]), 0.0)
     return total
 
 

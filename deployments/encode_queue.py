@@ -211,6 +211,7 @@ class EncodeQueue:
             requests,
             self.router_id,
             self.scheduler.waiting_tokens,
+            time.time(),
         )
         start = time.perf_counter()
         try:

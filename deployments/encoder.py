@@ -54,6 +54,8 @@ class PackRequest:
     router_waiting_tokens: int = 0
     """Tokens that router held back, not yet sent to any replica, when it sent this pack: load
     the replicas' own counts miss, which the autoscaler adds (`record_autoscaling_stats`)."""
+    sent_at: float = 0.0
+    """The router's wall clock when it sent the pack: orders its figures across replicas."""
 
     @property
     def tokens(self) -> int:
@@ -69,6 +71,7 @@ class PackRequest:
             self.requests,
             self.router,
             self.router_waiting_tokens,
+            self.sent_at,
         )
         return (_pack_from_wire, fields)
 
@@ -186,8 +189,9 @@ class EncoderReplica:
         self.metrics = EncoderMetrics()
         self._queued_tokens = 0
         self._inflight_tokens = 0
-        self._routers_waiting: dict[str, tuple[int, float]] = {}
-        """Per router, the tokens it held back as its last pack here said, and when (wall clock)."""
+        self._routers_waiting: dict[str, tuple[int, float, float]] = {}
+        """Per router, the tokens it held back as its last pack here said, when it sent that pack
+        (its clock), and when it arrived (ours)."""
         self._stop_gauges = refresh_gauges(self._set_gauges)
         self.actor_id = ray.get_runtime_context().get_actor_id()
         self.ready_s = time.perf_counter() - start
@@ -220,7 +224,7 @@ class EncoderReplica:
     async def encode_pack(self, pack: PackRequest) -> PackResult:
         self._count(queued=pack.tokens)
         if pack.router:
-            self._routers_waiting[pack.router] = (pack.router_waiting_tokens, time.time())
+            self._routers_waiting[pack.router] = (pack.router_waiting_tokens, pack.sent_at, time.monotonic())
         waiting = Waiting(pack, time.perf_counter(), asyncio.get_running_loop().create_future())
         self._waiting.append(waiting)
         if self._drain is None or self._drain.done():
@@ -440,14 +444,14 @@ class EncoderReplica:
     def record_autoscaling_stats(self) -> dict:
         """This replica's tokens, and each router's held-back tokens as the router's last pack
         here said (`router_waiting_metrics`; the policy counts each router once)."""
-        now = time.time()
-        for router, (_, at) in list(self._routers_waiting.items()):
-            if now - at > ROUTER_REPORT_S:
+        now = time.monotonic()
+        for router, (_, _, arrived) in list(self._routers_waiting.items()):
+            if now - arrived > ROUTER_REPORT_S:
                 del self._routers_waiting[router]
         return {
             "queued_tokens": float(self._queued_tokens),
             "inflight_tokens": float(self._inflight_tokens),
-            **router_waiting_metrics({r: tokens for r, (tokens, _) in self._routers_waiting.items()}),
+            **router_waiting_metrics({r: (tokens, sent) for r, (tokens, sent, _) in self._routers_waiting.items()}),
         }
 
     def describe(self) -> dict:

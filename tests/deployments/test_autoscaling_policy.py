@@ -225,18 +225,22 @@ def test_policy_keeps_one_replica_while_requests_wait_at_handles():
 
 def test_tokens_the_routers_hold_back_count_once_per_router_at_their_newest_report():
     """Two routers hold work while the replicas' slots are taken; each replica repeats what the
-    last pack it got from each router said. A router counts once, at its newest fresh report."""
+    last pack it got from each router said. A router counts once: the figure of the pack it sent
+    last, whichever replica reported it last."""
     ctx = token_context([(8_000, 2_000, 1.0), (8_000, 2_000, 1.0)], target_num_replicas=2)
     replicas = ctx.running_replicas
-    reports = {  # router -> replica -> (held-back tokens, age s)
-        "a": {replicas[0]: (30_000, 3.0), replicas[1]: (40_000, 1.0)},  # the newest: 40,000
-        "b": {replicas[1]: (20_000, 2.0)},
-        "gone": {replicas[0]: (10**6, 31.0)},  # stale
-        "elsewhere": {replica_id(9): (10**6, 1.0)},  # heard only by a replica not running
+    reports = {  # router -> replica -> (held-back tokens, the router's send time, age of the report s)
+        "a": {replicas[0]: (30_000, NOW_S - 2, 0.5), replicas[1]: (40_000, NOW_S - 1, 3.0)},  # sent last: 40,000
+        "b": {replicas[1]: (20_000, NOW_S - 5, 2.0)},
+        "gone": {replicas[0]: (10**6, NOW_S - 40, 31.0)},  # stale
+        "elsewhere": {replica_id(9): (10**6, NOW_S, 1.0)},  # heard only by a replica not running
     }
     for router, heard in reports.items():
         ctx.raw_metrics[autoscaling.ROUTER_WAITING_PREFIX + router] = {
-            replica: token_series(tokens, age_s, NOW_S) for replica, (tokens, age_s) in heard.items()
+            replica: token_series(tokens, age_s, NOW_S) for replica, (tokens, _, age_s) in heard.items()
+        }
+        ctx.raw_metrics[autoscaling.ROUTER_SENT_PREFIX + router] = {
+            replica: token_series(sent, age_s, NOW_S) for replica, (_, sent, age_s) in heard.items()
         }
     assert POLICY(ctx)[0] == math.ceil((20_000 + 40_000 + 20_000) / TARGET_TOKENS)
 
