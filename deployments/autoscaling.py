@@ -3,9 +3,9 @@
 One encoder request may be a thumbnail or a minute of video, so Serve's default policy, which
 counts requests, misjudges load. Each encoder replica reports
 `record_autoscaling_stats() -> {"queued_tokens": ..., "inflight_tokens": ...}` and the tokens
-each router holds back while the replicas' slots are taken (every pack says how many its router
-held); this policy sums the latest report of every running replica, and each router's once, and
-asks for `ceil(total_tokens / target_tokens_per_replica)` replicas.
+each router had not yet placed on any replica (queued, or waiting for a slot) as its last pack
+there said; this policy sums the latest report of every running replica, and each router's
+latest figure once, and asks for `ceil(total_tokens / target_tokens_per_replica)` replicas.
 
 Picking `target_tokens_per_replica`: a replica holding T tokens drains them in T / throughput
 seconds, so set target = tokens/s per replica x acceptable queueing seconds. Take tokens/s per
@@ -49,20 +49,20 @@ QUEUED_TOKENS_METRIC = "queued_tokens"
 INFLIGHT_TOKENS_METRIC = "inflight_tokens"
 TOKEN_METRICS = (QUEUED_TOKENS_METRIC, INFLIGHT_TOKENS_METRIC)
 ROUTER_WAITING_PREFIX = "router_waiting_tokens:"
-"""Metrics named `<prefix><router id>`: tokens a router holds back while the replicas are full."""
-ROUTER_SENT_PREFIX = "router_sent_at:"
-"""Metrics named `<prefix><router id>`: when (the router's clock) it sent the pack that said so."""
+"""Metrics named `<prefix><router id>`: tokens a router has not placed on any replica yet."""
+ROUTER_REPORT_PREFIX = "router_report:"
+"""Metrics named `<prefix><router id>`: that figure's sequence number at the router."""
 ROUTER_REPORT_S = 10.0
 """How long a replica repeats what a router's last pack said (a router with work sends often)."""
 
 
-def router_waiting_metrics(waiting: Mapping[str, tuple[int, float]]) -> dict[str, float]:
-    """A replica's report of the routers' held-back tokens: per router, the tokens its last pack
-    here said and when the router sent it."""
+def router_waiting_metrics(waiting: Mapping[str, tuple[int, int]]) -> dict[str, float]:
+    """A replica's report of the routers' unplaced tokens: per router, the figure its last pack
+    here carried and that figure's sequence number."""
     metrics = {}
-    for router, (tokens, sent_at) in waiting.items():
+    for router, (tokens, report) in waiting.items():
         metrics[ROUTER_WAITING_PREFIX + router] = float(tokens)
-        metrics[ROUTER_SENT_PREFIX + router] = float(sent_at)
+        metrics[ROUTER_REPORT_PREFIX + router] = float(report)
     return metrics
 
 
@@ -72,21 +72,31 @@ def routers_waiting_tokens(
     now_s: float,
     stale_after_s: float,
 ) -> float:
-    """The routers' held-back tokens: for each router, what its most recently sent pack said, among
-    the fresh reports of running replicas (several replicas hear from one router: it counts once)."""
+    """The routers' unplaced tokens: per router, its latest figure (by sequence number) among
+    running replicas' current reports. Several replicas hear from one router: it counts once. A
+    figure counts only while it is in its replica's newest report: Serve keeps a dropped metric's
+    old samples for the look-back window."""
     total = 0.0
+    newest_report = {
+        replica_id: series[-1].timestamp
+        for replica_id, series in raw_metrics.get(QUEUED_TOKENS_METRIC, {}).items()
+        if series
+    }
     for name, by_replica in raw_metrics.items():
         if not name.startswith(ROUTER_WAITING_PREFIX):
             continue
-        sent = raw_metrics.get(ROUTER_SENT_PREFIX + name.removeprefix(ROUTER_WAITING_PREFIX), {})
-        newest = None  # (sent at, tokens)
+        reports = raw_metrics.get(ROUTER_REPORT_PREFIX + name.removeprefix(ROUTER_WAITING_PREFIX), {})
+        latest = None  # (sequence number, tokens)
         for replica_id in running_replicas:
-            tokens, at = by_replica.get(replica_id), sent.get(replica_id)
-            if tokens and at and now_s - tokens[-1].timestamp <= stale_after_s:
-                if newest is None or at[-1].value > newest[0]:
-                    newest = (at[-1].value, tokens[-1].value)
-        if newest is not None:
-            total += max(float(newest[1]), 0.0)
+            tokens, report = by_replica.get(replica_id), reports.get(replica_id)
+            if not tokens or not report or now_s - tokens[-1].timestamp > stale_after_s:
+                continue
+            if tokens[-1].timestamp < newest_report.get(replica_id, tokens[-1].timestamp):
+                continue  # the replica no longer reports it
+            if latest is None or report[-1].value > latest[0]:
+                latest = (report[-1].value, tokens[-1].value)
+        if latest is not None:
+            total += max(float(latest[1]), 0.0)
     return total
 
 
@@ -195,9 +205,10 @@ class TokenAutoscalingPolicy:
     def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
         now_s = ctx.current_time if ctx.current_time is not None else time.time()
         stale_after_s = staleness_limit_s(ctx.config)
-        load = sum_token_load(ctx.raw_metrics or {}, ctx.running_replicas, now_s, stale_after_s)
-        # Tokens the routers hold back while every replica slot is taken: the replicas cannot count them.
-        waiting = routers_waiting_tokens(ctx.raw_metrics or {}, ctx.running_replicas, now_s, stale_after_s)
+        raw_metrics = ctx.raw_metrics or {}  # Serve builds it anew on each read
+        load = sum_token_load(raw_metrics, ctx.running_replicas, now_s, stale_after_s)
+        # Tokens the routers have not placed on a replica (queued, or waiting for a slot): no replica counts them.
+        waiting = routers_waiting_tokens(raw_metrics, ctx.running_replicas, now_s, stale_after_s)
         # No running replica means no report at all (say, all restarting): hold, too.
         metrics_complete = bool(ctx.running_replicas) and load.replicas_without_data == 0
         # Requests waiting at handles are load even before a replica has counted their tokens.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -96,7 +97,10 @@ class EncodeQueue:
         self.encoder = encoder
         self.fleet = fleet
         self.router_id = uuid.uuid4().hex[:12]
-        """Names this queue's packs to the replicas, which report its held-back tokens per router."""
+        """Names this queue's packs to the replicas, which report its unplaced tokens per router."""
+        self._unplaced_tokens = 0
+        """Tokens of packs waiting for a replica slot (`choose_replica`)."""
+        self._reports = itertools.count(1)
         self.metrics = metrics
         router = config.router
         self.scheduler = PackScheduler(
@@ -210,8 +214,6 @@ class EncodeQueue:
             specs,
             requests,
             self.router_id,
-            self.scheduler.waiting_tokens,
-            time.time(),
         )
         start = time.perf_counter()
         try:
@@ -233,15 +235,31 @@ class EncodeQueue:
         replica freed a pack's outputs before this router had read them. A slot reserved with
         `choose_replica` is answered by an ordinary return, whose nested references Ray counts."""
         method = self.encoder.encode_pack
-        async with method.choose_replica(pack) as selection:
-            response = method.dispatch(selection, pack)
-            try:
-                return await response
-            except asyncio.CancelledError:  # withdrawn: the replica drops the pack if it has not begun it
-                with contextlib.suppress(Exception, asyncio.CancelledError):
-                    response.cancel()  # may raise what the dispatch raised meanwhile
-                    await response  # settled before the reservation is released
-                raise
+        self._unplaced_tokens += pack.tokens
+        placed = False
+        try:
+            async with method.choose_replica(pack) as selection:
+                self._unplaced_tokens -= pack.tokens
+                placed = True
+                # what this router has not placed on a replica yet: the autoscaler's share of it
+                pack.router_waiting_tokens = self.scheduler.waiting_tokens + self._unplaced_tokens
+                pack.router_report = next(self._reports)
+                return await self._dispatched(method, selection, pack)
+        finally:
+            if not placed:
+                self._unplaced_tokens -= pack.tokens
+
+    @staticmethod
+    async def _dispatched(method, selection, pack: PackRequest):
+        """The pack to the reserved replica; withdrawn (cancelled), its response is cancelled too."""
+        response = method.dispatch(selection, pack)
+        try:
+            return await response
+        except asyncio.CancelledError:  # withdrawn: the replica drops the pack if it has not begun it
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                response.cancel()  # may raise what the dispatch raised meanwhile
+                await response  # settled before the reservation is released
+            raise
 
     def _observe_pack(self, items: list[QueuedItem], budget: int | None) -> None:
         tokens = sum(item.spec.output_tokens for item in items)

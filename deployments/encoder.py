@@ -52,10 +52,10 @@ class PackRequest:
     router: str = ""
     """The sending router's id."""
     router_waiting_tokens: int = 0
-    """Tokens that router held back, not yet sent to any replica, when it sent this pack: load
-    the replicas' own counts miss, which the autoscaler adds (`record_autoscaling_stats`)."""
-    sent_at: float = 0.0
-    """The router's wall clock when it sent the pack: orders its figures across replicas."""
+    """Tokens that router had not yet placed on any replica (queued, or waiting for a slot) when
+    this pack got its slot: load the replicas' own counts miss, which the autoscaler adds."""
+    router_report: int = 0
+    """That figure's sequence number at its router: orders its figures across replicas."""
 
     @property
     def tokens(self) -> int:
@@ -63,21 +63,17 @@ class PackRequest:
 
     def __reduce__(self):  # pixels as numpy: a pickled tensor costs 6x more router CPU per byte
         pixels = [to_wire(p) for p in self.pixels]
-        fields = (
-            self.pack_id,
-            self.modality,
-            pixels,
-            self.specs,
-            self.requests,
-            self.router,
-            self.router_waiting_tokens,
-            self.sent_at,
-        )
-        return (_pack_from_wire, fields)
+        # The router's figures as state: a replica of an earlier version ignores them.
+        state = {
+            "router": self.router,
+            "router_waiting_tokens": self.router_waiting_tokens,
+            "router_report": self.router_report,
+        }
+        return (_pack_from_wire, (self.pack_id, self.modality, pixels, self.specs, self.requests), state)
 
 
-def _pack_from_wire(pack_id: int, modality: str, pixels: list, specs: list[ItemSpec], *rest) -> PackRequest:
-    return PackRequest(pack_id, modality, [from_wire(p) for p in pixels], specs, *rest)
+def _pack_from_wire(pack_id: int, modality: str, pixels: list, specs: list[ItemSpec], requests: int = 1) -> PackRequest:
+    return PackRequest(pack_id, modality, [from_wire(p) for p in pixels], specs, requests)
 
 
 @dataclass
@@ -189,9 +185,9 @@ class EncoderReplica:
         self.metrics = EncoderMetrics()
         self._queued_tokens = 0
         self._inflight_tokens = 0
-        self._routers_waiting: dict[str, tuple[int, float, float]] = {}
-        """Per router, the tokens it held back as its last pack here said, when it sent that pack
-        (its clock), and when it arrived (ours)."""
+        self._routers_waiting: dict[str, tuple[int, int, float]] = {}
+        """Per router, the tokens it had not placed as its last pack here said, that figure's
+        sequence number at the router, and when the pack arrived (our monotonic clock)."""
         self._stop_gauges = refresh_gauges(self._set_gauges)
         self.actor_id = ray.get_runtime_context().get_actor_id()
         self.ready_s = time.perf_counter() - start
@@ -224,7 +220,7 @@ class EncoderReplica:
     async def encode_pack(self, pack: PackRequest) -> PackResult:
         self._count(queued=pack.tokens)
         if pack.router:
-            self._routers_waiting[pack.router] = (pack.router_waiting_tokens, pack.sent_at, time.monotonic())
+            self._routers_waiting[pack.router] = (pack.router_waiting_tokens, pack.router_report, time.monotonic())
         waiting = Waiting(pack, time.perf_counter(), asyncio.get_running_loop().create_future())
         self._waiting.append(waiting)
         if self._drain is None or self._drain.done():
@@ -451,7 +447,7 @@ class EncoderReplica:
         return {
             "queued_tokens": float(self._queued_tokens),
             "inflight_tokens": float(self._inflight_tokens),
-            **router_waiting_metrics({r: (tokens, sent) for r, (tokens, sent, _) in self._routers_waiting.items()}),
+            **router_waiting_metrics({r: (tokens, seq) for r, (tokens, seq, _) in self._routers_waiting.items()}),
         }
 
     def describe(self) -> dict:

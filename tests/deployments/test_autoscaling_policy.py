@@ -223,24 +223,25 @@ def test_policy_keeps_one_replica_while_requests_wait_at_handles():
     assert POLICY(ctx)[0] == 1
 
 
-def test_tokens_the_routers_hold_back_count_once_per_router_at_their_newest_report():
-    """Two routers hold work while the replicas' slots are taken; each replica repeats what the
-    last pack it got from each router said. A router counts once: the figure of the pack it sent
-    last, whichever replica reported it last."""
+def test_tokens_the_routers_have_not_placed_count_once_per_router_at_their_latest_figure():
+    """Two routers hold work no replica has yet; each replica repeats what the last pack it got
+    from each router said. A router counts once: its latest figure by the router's own sequence
+    number, whichever replica recorded it last, and only while that replica still reports it."""
     ctx = token_context([(8_000, 2_000, 1.0), (8_000, 2_000, 1.0)], target_num_replicas=2)
     replicas = ctx.running_replicas
-    reports = {  # router -> replica -> (held-back tokens, the router's send time, age of the report s)
-        "a": {replicas[0]: (30_000, NOW_S - 2, 0.5), replicas[1]: (40_000, NOW_S - 1, 3.0)},  # sent last: 40,000
-        "b": {replicas[1]: (20_000, NOW_S - 5, 2.0)},
-        "gone": {replicas[0]: (10**6, NOW_S - 40, 31.0)},  # stale
-        "elsewhere": {replica_id(9): (10**6, NOW_S, 1.0)},  # heard only by a replica not running
+    reports = {  # router -> replica -> (tokens not placed, the figure's sequence number, age of the report s)
+        "a": {replicas[0]: (30_000, 6, 1.0), replicas[1]: (40_000, 7, 1.0)},  # the latest figure: 40,000
+        "b": {replicas[1]: (20_000, 3, 1.0)},
+        "dropped": {replicas[0]: (10**6, 9, 5.0)},  # no longer in its replica's newest report
+        "gone": {replicas[0]: (10**6, 1, 31.0)},  # stale
+        "elsewhere": {replica_id(9): (10**6, 1, 1.0)},  # heard only by a replica not running
     }
     for router, heard in reports.items():
         ctx.raw_metrics[autoscaling.ROUTER_WAITING_PREFIX + router] = {
             replica: token_series(tokens, age_s, NOW_S) for replica, (tokens, _, age_s) in heard.items()
         }
-        ctx.raw_metrics[autoscaling.ROUTER_SENT_PREFIX + router] = {
-            replica: token_series(sent, age_s, NOW_S) for replica, (_, sent, age_s) in heard.items()
+        ctx.raw_metrics[autoscaling.ROUTER_REPORT_PREFIX + router] = {
+            replica: token_series(report, age_s, NOW_S) for replica, (_, report, age_s) in heard.items()
         }
     assert POLICY(ctx)[0] == math.ceil((20_000 + 40_000 + 20_000) / TARGET_TOKENS)
 

@@ -105,39 +105,32 @@ def test_every_metric_reports_sensible_values_after_a_known_workload(serve_harne
         assert all(value == 0 for value in idle[gauge].values()), idle[gauge]
 
 
-def test_sustained_load_scales_encoders_up_and_idle_scales_them_back(serve_harness):
-    """The replica takes one pack at a time and its router keeps one in flight, so the replica
-    never counts more than one pack (at most the largest budget, 4,096 tokens, under the target
-    of 5,000): the load that adds a replica is what the router holds back, as its packs report it."""
-    autoscaling = {
+def token_autoscaling(target_tokens: int, downscale_delay_s: float) -> dict:
+    """An autoscaling config of one to two encoder replicas on the token policy, quick to react."""
+    return {
         "min_replicas": 1,
         "max_replicas": 2,
         "upscale_delay_s": 1,
-        "downscale_delay_s": 6,
+        "downscale_delay_s": downscale_delay_s,
         "metrics_interval_s": 0.5,
         "look_back_period_s": 2,
         "policy": {
             "policy_function": "deployments.autoscaling:TokenAutoscalingPolicy",
-            "policy_kwargs": {"target_tokens_per_replica": 5000},
+            "policy_kwargs": {"target_tokens_per_replica": target_tokens},
         },
     }
-    replica = {"num_replicas": None, "autoscaling_config": autoscaling, "max_ongoing_requests": 1}
-    url = serve_harness.deploy(
-        "configs/local.yaml",
-        name="autoscale",
-        route_prefix="/autoscale",
-        deployments={"EncoderReplica": replica},
-        router={"max_wait_ms": 5, "cache_bytes": 0, "packs_in_flight_per_replica": 1},
-    )
 
-    def replicas() -> int:
-        states = serve.status().applications["autoscale"].deployments["EncoderReplica"].replica_states
-        return states.get("RUNNING", 0)
 
-    assert replicas() == 1
+def running_encoders(app: str) -> int:
+    states = serve.status().applications[app].deployments["EncoderReplica"].replica_states
+    return states.get("RUNNING", 0)
+
+
+def peak_encoders_under_load(url: str, app: str, seconds: float = 90) -> int:
+    """16 clients sending four 400x400 PNGs a request until a second encoder replica runs (or
+    `seconds` pass); the most replicas seen running."""
     files = [image_file(pattern(400, 400, seed=s), "PNG") for s in range(8)]
-    stop = time.monotonic() + 90
-    peak = 1
+    stop, peak = time.monotonic() + seconds, running_encoders(app)
     with ThreadPoolExecutor(16) as pool, httpx.Client(timeout=60) as client:
 
         def load(seed: int):
@@ -147,13 +140,42 @@ def test_sustained_load_scales_encoders_up_and_idle_scales_them_back(serve_harne
 
         futures = [pool.submit(load, s) for s in range(16)]
         while time.monotonic() < stop and peak < 2:
-            peak = max(peak, replicas())
+            peak = max(peak, running_encoders(app))
             time.sleep(0.5)
         stop = time.monotonic()
         for future in futures:
             future.result()
-    assert peak == 2, "sustained load did not add a replica"
+    return peak
+
+
+def test_sustained_load_scales_encoders_up_and_idle_scales_them_back(serve_harness):
+    url = serve_harness.deploy(
+        "configs/local.yaml",
+        name="autoscale",
+        route_prefix="/autoscale",
+        deployments={"EncoderReplica": {"num_replicas": None, "autoscaling_config": token_autoscaling(100, 6)}},
+        router={"max_wait_ms": 5, "cache_bytes": 0},
+    )
+    assert running_encoders("autoscale") == 1
+    assert peak_encoders_under_load(url, "autoscale") == 2, "sustained load did not add a replica"
     deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and replicas() != 1:
+    while time.monotonic() < deadline and running_encoders("autoscale") != 1:
         time.sleep(1)
-    assert replicas() == 1, "idle replicas were not removed"
+    assert running_encoders("autoscale") == 1, "idle replicas were not removed"
+
+
+def test_a_backlog_the_router_has_not_placed_adds_a_replica(serve_harness):
+    """The replica takes one pack at a time and its router keeps one in flight, so the replica
+    never counts more than one pack (at most the largest budget, 4,096 tokens, under the target
+    of 5,000): only what the router has not placed, as its packs report it, can add a replica."""
+    autoscaling = token_autoscaling(5000, 600)
+    url = serve_harness.deploy(
+        "configs/local.yaml",
+        name="backlog",
+        route_prefix="/backlog",
+        deployments={
+            "EncoderReplica": {"num_replicas": None, "autoscaling_config": autoscaling, "max_ongoing_requests": 1}
+        },
+        router={"max_wait_ms": 5, "cache_bytes": 0, "packs_in_flight_per_replica": 1},
+    )
+    assert peak_encoders_under_load(url, "backlog") == 2, "the router's backlog did not add a replica"

@@ -6,9 +6,11 @@ item sliced from a pack must carry only its own bytes.
 """
 
 import pickle
+from types import SimpleNamespace
 
 import torch
 
+from deployments import encoder as encoder_module
 from deployments.encoder import PackRequest
 from deployments.results import owned
 from models.protocol import ItemOutput, ItemSpec
@@ -44,6 +46,20 @@ def test_a_pack_carries_its_pixels_out_of_band():
     assert in_band < 2048
     assert back.pack_id == 7 and back.specs == specs and back.modality == "image" and back.requests == 2
     assert all(torch.equal(a, b) and b.dtype == torch.uint8 for a, b in zip(pixels, back.pixels))
+
+
+def test_a_packs_router_figures_travel_as_state_an_earlier_replica_ignores(monkeypatch):
+    pack = PackRequest(3, "image", [torch.zeros(3, 4, 4, dtype=torch.uint8)], [ItemSpec("image", (1, 2, 2), 4, 1)])
+    pack.router, pack.router_waiting_tokens, pack.router_report = "r1", 5_000, 12
+    data = pickle.dumps(pack)
+    got = pickle.loads(data)
+    assert (got.router, got.router_waiting_tokens, got.router_report, got.pack_id) == ("r1", 5_000, 12, 3)
+
+    def earlier(pack_id, modality, pixels, specs, requests=1):  # the rebuild before these fields
+        return SimpleNamespace(pack_id=pack_id)
+
+    monkeypatch.setattr(encoder_module, "_pack_from_wire", earlier)
+    assert pickle.loads(data).pack_id == 3
 
 
 def test_an_items_deepstack_levels_go_out_of_band_without_a_copy():
