@@ -101,6 +101,7 @@ class EncodeQueue:
         self._unplaced_tokens = 0
         """Tokens of packs waiting for a replica slot (`choose_replica`)."""
         self._reports = itertools.count(1)
+        """Sequence numbers of the unplaced-token figures this router's packs carry."""
         self.metrics = metrics
         router = config.router
         self.scheduler = PackScheduler(
@@ -207,14 +208,7 @@ class EncodeQueue:
     async def _dispatch(self, modality: str, items: list[QueuedItem]) -> list[Encoded]:
         pixels, specs = [i.pixels for i in items], [i.spec for i in items]
         requests = len({i.request_id for i in items})
-        pack = PackRequest(
-            self.scheduler.next_pack_id(),
-            modality,
-            pixels,
-            specs,
-            requests,
-            self.router_id,
-        )
+        pack = PackRequest(self.scheduler.next_pack_id(), modality, pixels, specs, requests, router=self.router_id)
         start = time.perf_counter()
         try:
             result = await self._send(pack)

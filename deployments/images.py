@@ -35,7 +35,7 @@ def decode_base64(data: str, index: int, limits: Limits) -> bytes:
     """Bytes of a base64 string (a `data:` URL prefix and line breaks are accepted), size checked first."""
     if data.startswith("data:"):
         data = data.partition(",")[2]
-    elif data.startswith(("http://", "https://", "file:")):
+    elif data[:8].strip().lower().startswith(("http://", "https://", "file:")):
         raise item_error(index, 400, "is a URL: nothing is fetched; send the file's bytes in base64 or as a data: URL")
     if any(c in data for c in " \r\n\t"):
         data = "".join(data.split())
