@@ -108,13 +108,10 @@ def _detached_task(coroutine) -> asyncio.Task:
     return contextvars.Context().run(loop.create_task, coroutine)
 
 
-def _withdraw_if_unwanted(
-    dispatch: asyncio.Future, items: list[QueuedItem], withdrawn: list[bool], _done: asyncio.Future
-) -> None:
+def _withdraw_if_unwanted(dispatch: asyncio.Future, items: list[QueuedItem], _done: asyncio.Future) -> None:
     """Withdraw a sent pack once none of its items is awaited (their requests gone): the encoder
     replica drops it if it has not started it, instead of spending a forward on nobody."""
-    if not dispatch.done() and all(item.future.done() for item in items) and not withdrawn:
-        withdrawn.append(True)
+    if not dispatch.done() and all(item.future.done() for item in items):
         # Next round, not now: a dispatch task cancelled before its first step would skip the
         # code that gives back the replica slot it reserved.
         asyncio.get_running_loop().call_soon(dispatch.cancel)
@@ -276,8 +273,7 @@ class PackScheduler:
         if not live:
             return
         dispatch = asyncio.ensure_future(self._dispatch(modality, live))
-        withdrawn: list[bool] = []
-        watch = functools.partial(_withdraw_if_unwanted, dispatch, live, withdrawn)
+        watch = functools.partial(_withdraw_if_unwanted, dispatch, live)
         for item in live:
             item.future.add_done_callback(watch)
         try:
@@ -287,7 +283,7 @@ class PackScheduler:
                 for item in live:
                     item.future.remove_done_callback(watch)
         except asyncio.CancelledError:
-            if withdrawn:  # every requester left
+            if all(item.future.done() for item in live):  # every requester left: withdrawn
                 self.stats.abandoned_packs += 1
                 return
             for item in live:  # nobody may wait forever on a pack that was cancelled under it

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from pydantic import ValidationError
 
@@ -159,9 +160,21 @@ def test_a_config_file_is_checked_as_its_build_would_check_it(tmp_path):
     problems = check_file(str(ladder))
     assert "application name 'default' is used twice" in problems[0]
     assert len(problems) == 3 and "max_budget_tokens=1" in problems[1]
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("applications: [unclosed\n")
+    assert check_file(str(broken))[0].startswith(f"{broken}: ")
+    assert "No such file" in check_file(str(tmp_path / "absent.yaml"))[0]
     other = tmp_path / "other.yaml"
     other.write_text(yaml.safe_dump({"applications": [{"name": "x", "import_path": "somewhere:else"}]}))
     assert "no application with import_path deployments.app:build_app" in check_file(str(other))[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_prebuilding_the_compile_cache_without_a_gpu_says_so():
+    from deployments.compile_cache import main
+
+    with pytest.raises(SystemExit, match="no CUDA GPU"):
+        main(["--config", str(Path(__file__).parents[2] / "configs" / "gpu.yaml")])
 
 
 def test_the_application_build_imports_no_torch_and_binds_every_deployment():
