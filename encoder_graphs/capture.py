@@ -23,12 +23,13 @@ class GraphCapture:
         self.device = device
         self.memory = memory
         self.pool = None
+        self.captured = False
         self._side: torch.cuda.Stream | None = None
 
     @property
     def started(self) -> bool:
         """Whether a graph was captured into the pool yet."""
-        return self.pool is not None
+        return self.captured
 
     def _ensure_pool(self) -> None:
         if self.pool is None:
@@ -37,8 +38,11 @@ class GraphCapture:
 
     def warm(self, run: Callable[[], None]) -> None:
         """`run` once on a side stream (kernel selection, plans, workspaces): what PyTorch asks
-        before a capture, so lazy initialisation never happens inside one."""
+        before a capture, so lazy initialisation never happens inside one. The device cache is
+        emptied first: the capture that follows is the first into the pool (which it sizes) or
+        one tried again (which may have failed for memory)."""
         self._ensure_pool()
+        torch.cuda.empty_cache()
         current = torch.cuda.current_stream(self.device)
         self._side.wait_stream(current)
         with torch.cuda.stream(self._side):
@@ -48,14 +52,28 @@ class GraphCapture:
     def capture(self, entry: GraphEntry, run: Callable[[], None]) -> int:
         """Capture `run` as `entry`'s graph into the shared pool; returns how much the pool grew.
         `capture_error_mode="thread_local"`: another thread's CUDA calls do not invalidate it
-        (the runner's device lock keeps them out of the capture anyway)."""
+        (the runner's device lock keeps them out of the capture anyway). Work launched before it
+        may still be running: a capture records, it runs nothing (`_Capturing`)."""
         self._ensure_pool()
-        before = pool_reserved_bytes(self.pool, self.device)
+        before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with _Capturing(graph, pool=self.pool, capture_error_mode="thread_local"):
             run()
         entry.graph = graph
-        return pool_reserved_bytes(self.pool, self.device) - before
+        self.captured = True
+        # Nothing else allocates meanwhile (the device lock), and the cache is not emptied, so
+        # the growth of what the allocator reserved is the pool's, without an allocator snapshot.
+        return max(0, torch.cuda.memory_reserved(self.device) - before)
 
     def pool_bytes(self) -> int:
         return pool_reserved_bytes(self.pool, self.device) if self.pool is not None else 0
+
+
+class _Capturing(torch.cuda.graph):
+    """`torch.cuda.graph` without what its entry does before each capture: a device-wide
+    synchronize (which would wait for the previous graph's checked replay), emptying the device
+    and host caches (which the next packs and copies would allocate again)."""
+
+    def __enter__(self) -> None:
+        self.stream_ctx.__enter__()
+        self.cuda_graph.capture_begin(*self.pool, capture_error_mode=self.capture_error_mode)

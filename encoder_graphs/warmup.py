@@ -30,7 +30,7 @@ from .entry import DISABLED, LIVE, PENDING, GraphEntry, GraphKey
 from .preflight import check_eager, check_memory, raise_recompile_limits
 from .references import References, SamplePack
 from .route_costs import attention_shapes
-from .selfcheck import best_ms, pack_error, sample_frame, synchronized_ms, synthetic_pixels, synthetic_specs
+from .selfcheck import best_ms, pack_error, sample_frame, synthetic_pixels, synthetic_specs
 from .table import input_specs
 
 if TYPE_CHECKING:
@@ -91,6 +91,8 @@ class WarmUp:
         self._references: References | None = None
         """Sample items' eager outputs for the graph checks (freed at the end)."""
         self._upcoming: list[GraphKey] = []
+        self._unchecked: _Check | None = None
+        """The graph captured last, not yet checked: its checked run overlaps the next capture."""
 
     # ---- status ----
 
@@ -236,6 +238,10 @@ class WarmUp:
             self.references.expect(self._sample_specs(key) for key in pending)
         while not stop.is_set():
             entry = self._next_entry()
+            if entry is None and self._unchecked is not None:
+                with self.runner.device_lock:
+                    self._settle(self._launch())
+                continue
             if entry is None:
                 if self._references is not None:
                     refs = self._references
@@ -249,8 +255,9 @@ class WarmUp:
             self._build(entry)
             done += 1
             grown = self.runner.memory.graph_bytes.get(entry.key, 0) / 2**20
+            state = "captured" if self._unchecked and self._unchecked.entry is entry else entry.state
             message = (
-                f"graph {done}/{total} {entry.state if entry.state != PENDING else 'checked'}: budget {entry.key[0]} "
+                f"graph {done}/{total} {state if state != PENDING else 'checked'}: budget {entry.key[0]} "
                 f"tokens, max_seqlen {entry.key[1]} (+{grown:.1f} MiB, {(time.perf_counter() - began) * 1e3:.0f} ms)"
             )
             if done % every == 0 or done == total or entry.state == DISABLED:
@@ -265,7 +272,12 @@ class WarmUp:
         computed with its own)."""
         runner = self.runner
         with runner.device_lock:
-            pending = [e for e in runner.table.entries.values() if e.state == PENDING and e not in self._built]
+            unchecked = self._unchecked.entry if self._unchecked else None
+            pending = [
+                e
+                for e in runner.table.entries.values()
+                if e.state == PENDING and e not in self._built and e is not unchecked
+            ]
             self._upcoming = sorted(e.key for e in pending)[: UPCOMING_GRAPHS + 1]
             if not pending:
                 return None
@@ -277,37 +289,46 @@ class WarmUp:
             return min(pending, key=lambda e: e.key)
 
     def _build(self, entry: GraphEntry) -> None:
-        """One step: the eager reference (no lock), then under the lock the capture, one checked
-        run, also the timed one; live if it passed. The compiled forward runs on the entry's
-        layout outside the lock first only where it must: without graphs (the check calls it
-        under the lock), or where the capture found it would compile (then captured again)."""
+        """One step: the eager reference (no lock), then under the lock the capture and one checked
+        run, also the timed one; live if it passed. A captured graph's checked run is launched
+        under the next step's lock, before that step's capture, and read after it: the GPU
+        replays one graph while the host captures the next. The compiled forward runs on the
+        entry's layout outside the lock first only where it must: without graphs (the check
+        calls it under the lock), or where the capture found it would compile (then captured again)."""
         runner = self.runner
         compiled = runner.forwards.compiled is not None
         if compiled and runner.capture is None:
             self._warm_compiled(entry)
-        check = self._checks
-        if check:
+        check = None
+        if self._checks:
             sample = self._sample_pack(entry.key)
-            specs, pixels = sample.specs, sample.pixels
             upcoming = [self._sample_specs(key) for key in self._upcoming if key != entry.key]
-            self.references.prepare([specs, *upcoming[:UPCOMING_GRAPHS]])
+            self.references.prepare([sample.specs, *upcoming[:UPCOMING_GRAPHS]])
             reference = self.references.reference(sample)
-            metadata = runner.encoder.pack_metadata(specs, entry.layout)
+            metadata = runner.encoder.pack_metadata(sample.specs, entry.layout)
+            check = _Check(entry, sample.pixels, sample.specs, metadata, reference)
         for may_warm in (compiled and runner.capture is not None, False):
             with runner.device_lock:
+                earlier = self._launch() if self._unchecked is not None else None
                 try:
-                    if runner.capture is not None and not self._capture(entry, may_warm):
+                    if runner.capture is not None and not self._capture(entry, may_warm, earlier):
                         return
                 except _Warm:
                     runner.stats.layout_compiles += 1
                 else:
-                    if check and not self._check(entry, pixels, specs, metadata, reference):
+                    if check is not None and entry.graph is not None:
+                        self._unchecked = check  # checked while the next graph is captured
+                        return
+                    if check is not None and not self._settle(self._launch(check)):
                         return
                     if runner.capture is None and compiled:
                         self._built.append(entry)  # the serving thread calls no compiled forward yet
                     else:
                         entry.state = LIVE
                     return
+                finally:
+                    if earlier is not None:
+                        self._settle(earlier)
             self._warm_compiled(entry)
 
     @property
@@ -317,7 +338,7 @@ class WarmUp:
         runner = self.runner
         return runner.config.self_check and (runner.use_graphs or runner.forwards.compiled is not None)
 
-    def _capture(self, entry: GraphEntry, may_warm: bool = False) -> bool:
+    def _capture(self, entry: GraphEntry, may_warm: bool = False, earlier: _Launched | None = None) -> bool:
         """Capture (picking kernels as for a graph); where the compiled forward would compile,
         `_Warm` (`may_warm`: the caller compiles outside the lock and comes back), else again with
         the uncompiled forward. False: disabled.
@@ -326,7 +347,8 @@ class WarmUp:
         initialisation never happens inside one; here only the first capture into the pool and
         a capture tried again take one (after the first, one per graph cost as much as the
         capture itself). A capture that fails without one is tried once more after one; the
-        check after every capture catches a graph that went wrong."""
+        check after every capture catches a graph that went wrong. A warm run writes the shared
+        outputs, so the `earlier` graph's checked run is read first."""
         runner = self.runner
         io, capture = runner.io, runner.capture
         io.fill_empty(entry)
@@ -335,6 +357,8 @@ class WarmUp:
             try:
                 with runner.encoder.capturing(), self._no_recompile(entry, may_warm):
                     if warm:
+                        if earlier is not None:
+                            self._settle(earlier)
                         capture.warm(lambda: io.forward_into(entry))
                     runner.memory.graph_bytes[entry.key] = capture.capture(entry, lambda: io.forward_into(entry))
                 return True
@@ -375,34 +399,50 @@ class WarmUp:
             entry.forward = self.runner.forwards.plain
             raise _Retry from error
 
-    def _check(self, entry: GraphEntry, pixels, specs, metadata, reference) -> bool:
-        """One run of the entry on the sample pack against the eager reference. With graphs that
-        run is also the one timed (copies in and out included: a split pays them per part), so a
-        graph costs one replay here, not two; a graph's first launch includes its upload, so
-        where that run was short (`RETIME_MS`) the best of two more is the time."""
-        runner = self.runner
-        tokens = sum(s.output_tokens for s in specs)
+    def _launch(self, check: _Check | None = None) -> _Launched:
+        """The checked run of `check`'s graph (default: the one captured last), launched on the
+        sample pack and not waited for. With graphs that run is also the one timed (copies in and
+        out included: a split pays them per part), on CUDA events, so a capture meanwhile does not
+        count; a graph costs one replay here, not two."""
+        if check is None:
+            check, self._unchecked = self._unchecked, None
+        runner, entry = self.runner, check.entry
         for name, rows in entry.outputs.items():  # a graph that leaves them unwritten fails the check
             if rows.is_floating_point():
-                (rows[:tokens] if name != "deepstack" else rows[:, :tokens]).fill_(math.nan)
-        if entry.graph is not None:
-            launch = lambda: runner.io.launch(entry, metadata, pixels, specs, runner.device)  # noqa: E731
-            replay_ms = synchronized_ms(launch, runner.device)
-            if replay_ms < RETIME_MS:
-                replay_ms = best_ms(launch, runner.device)
-        else:  # the forward itself (no graph: CPU, or `cuda_graphs: false`)
-            runner.io.fill(entry, pixels, metadata)
+                (rows[: check.tokens] if name != "deepstack" else rows[:, : check.tokens]).fill_(math.nan)
+        if entry.graph is None:  # the forward itself (no graph: CPU, or `cuda_graphs: false`)
+            runner.io.fill(entry, check.pixels, check.metadata)
             runner.io.forward_into(entry)
-            replay_ms = math.nan
+            return _Launched(check)
+        timer = _Timer(runner.device)
+        runner.io.launch(entry, check.metadata, check.pixels, check.specs, runner.device)
+        timer.stop()
+        return _Launched(check, timer)
+
+    def _settle(self, launched: _Launched) -> bool:
+        """Read a launched check (once): the graph against the eager reference, disabled on a
+        mismatch; its time, where the run was short (`RETIME_MS`: a graph's first launch includes
+        its upload), the best of two more. Whether it passed."""
+        if launched.passed is not None:
+            return launched.passed
+        runner, check = self.runner, launched.check
+        entry, tokens = check.entry, check.tokens
+        replay_ms = launched.timer.ms() if launched.timer is not None else math.nan
         deepstack = entry.outputs.get("deepstack")
         error = pack_error(
-            entry.outputs["tokens"][:tokens], None if deepstack is None else deepstack[:, :tokens], reference
+            entry.outputs["tokens"][:tokens], None if deepstack is None else deepstack[:, :tokens], check.reference
         )
         entry.self_check_error = error
-        if not math.isfinite(error) or error > runner.config.self_check_tolerance:
+        launched.passed = math.isfinite(error) and error <= runner.config.self_check_tolerance
+        if not launched.passed:
             runner.table.disable(entry, f"self-check error {error:.3g} > {runner.config.self_check_tolerance}")
             return False
+        if replay_ms < RETIME_MS:
+            launch = lambda: runner.io.launch(entry, check.metadata, check.pixels, check.specs, runner.device)  # noqa: E731
+            replay_ms = best_ms(launch, runner.device)
         entry.replay_ms = replay_ms
+        if entry.graph is not None and entry.state == PENDING:  # a graph goes live once checked
+            entry.state = LIVE
         return True
 
     @property
@@ -471,6 +511,53 @@ class WarmUp:
             self.stage = "done"
         if runner.compile_cache is not None and runner.forwards.compiled is not None:
             runner.compile_cache.save()
+
+
+@dataclass
+class _Check:
+    """What one graph's check needs: the sample pack and its eager reference."""
+
+    entry: GraphEntry
+    pixels: torch.Tensor
+    specs: list
+    metadata: dict[str, torch.Tensor]
+    reference: object
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.output_tokens for s in self.specs)
+
+
+class _Timer:
+    """Device time from here to `stop` (CUDA events; wall time elsewhere)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        else:
+            self._began = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.device.type == "cuda":
+            self._events[1].record()
+        else:
+            self._wall_ms = (time.perf_counter() - self._began) * 1e3
+
+    def ms(self) -> float:
+        """Waits for the stop."""
+        if self.device.type == "cuda":
+            self._events[1].synchronize()
+            return self._events[0].elapsed_time(self._events[1])
+        return self._wall_ms
+
+
+@dataclass
+class _Launched:
+    check: _Check
+    timer: _Timer | None = None
+    passed: bool | None = None
 
 
 class _Retry(Exception):

@@ -211,3 +211,80 @@ def test_a_capture_that_would_compile_compiles_outside_the_lock_and_keeps_the_co
         assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
     finally:
         torch._dynamo.reset()
+
+
+class Replay:
+    """A CPU "graph": its replay runs what was captured."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def replay(self) -> None:
+        self.run()
+
+
+class ReplayingCapture:
+    """A stand-in for `GraphCapture` on CPU whose captures run nothing, as on a GPU, and whose
+    graphs replay what they captured: a check that read the shared outputs after another graph's
+    replay or a warm run would compare the wrong rows. The `fail_once` keys fail their first
+    capture (as a lazy initialisation inside one does), so a warm run comes mid-warm-up;
+    `corrupt` keys' graphs scale their tokens after the forward."""
+
+    def __init__(self, fail_once=(), corrupt=()):
+        self.started = False
+        self.fail_once, self.corrupt = set(fail_once), set(corrupt)
+        self.warm_runs = 0
+
+    def warm(self, run) -> None:
+        self.warm_runs += 1
+        run()
+
+    def capture(self, entry, run) -> int:
+        if entry.key in self.fail_once:
+            self.fail_once.discard(entry.key)
+            raise RuntimeError("operation not permitted when stream is capturing")
+        if entry.key in self.corrupt:
+            entry.graph = Replay(lambda: (run(), entry.outputs["tokens"].mul_(1.5)))
+        else:
+            entry.graph = Replay(run)
+        self.started = True
+        return 0
+
+    def pool_bytes(self) -> int:
+        return 0
+
+
+def pipelined_runner(encoder, capture: ReplayingCapture) -> EncoderRunner:
+    """A runner whose warm-up checks graphs as on a GPU: each graph's checked run is launched
+    before the next capture and read after it (the forward stands in for a compiled one, so that
+    graphs are checked on CPU)."""
+    runner = EncoderRunner(encoder, SMALL_LADDER, compiled_forward=encoder.forward_padded)
+    runner.capture = capture
+    runner.prepare(progress=lambda message: None)
+    runner.warm_up(progress=lambda message: None)
+    return runner
+
+
+def test_each_graph_is_checked_on_its_own_rows_while_the_next_is_captured(qwen3):
+    encoder, reference = qwen3
+    keys = sorted(EncoderRunner(encoder, SMALL_LADDER).table.entries)
+    # the largest is captured first, then the smallest up: the second smallest fails once and is
+    # captured again after a warm run, which writes the shared outputs while the smallest's
+    # checked run waits to be read
+    capture = ReplayingCapture(fail_once=[keys[1]])
+    runner = pipelined_runner(encoder, capture)
+    entries = runner.table.entries.values()
+    assert capture.warm_runs == 2 and runner.table.live_count() == len(keys)
+    assert all(e.self_check_error <= 1e-4 for e in entries) and all(e.replay_ms >= 0 for e in entries)
+    for seed, sizes in enumerate([[(200, 200)], [(300, 260), (120, 90)]]):
+        pixels, specs = images(encoder, seed, sizes)
+        assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
+        assert runner.stats.last.graph
+
+
+def test_a_wrong_graph_fails_its_overlapped_check_and_only_it(qwen3):
+    encoder, _ = qwen3
+    keys = sorted(EncoderRunner(encoder, SMALL_LADDER).table.entries)
+    runner = pipelined_runner(encoder, ReplayingCapture(corrupt=[keys[2], keys[-1]]))
+    assert {k for k, e in runner.table.entries.items() if not e.enabled} == {keys[2], keys[-1]}
+    assert runner.warmup_status().full_speed
