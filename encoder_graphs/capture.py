@@ -25,6 +25,7 @@ class GraphCapture:
         self.pool = None
         self.captured = False
         self._side: torch.cuda.Stream | None = None
+        self._capture_stream: torch.cuda.Stream | None = None
 
     @property
     def started(self) -> bool:
@@ -35,6 +36,7 @@ class GraphCapture:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
             self._side = torch.cuda.Stream(self.device)
+            self._capture_stream = torch.cuda.Stream(self.device)
 
     def warm(self, run: Callable[[], None]) -> None:
         """`run` once on a side stream (kernel selection, plans, workspaces): what PyTorch asks
@@ -53,12 +55,20 @@ class GraphCapture:
         """Capture `run` as `entry`'s graph into the shared pool; returns how much the pool grew.
         `capture_error_mode="thread_local"`: another thread's CUDA calls do not invalidate it
         (the runner's device lock keeps them out of the capture anyway). Work launched before it
-        may still be running: a capture records, it runs nothing (`_Capturing`)."""
+        may still be running: a capture records, it runs nothing."""
         self._ensure_pool()
         before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
-        with _Capturing(graph, pool=self.pool, capture_error_mode="thread_local"):
-            run()
+        # `CUDAGraph.capture_begin` on a side stream, as `torch.cuda.graph` does, but without what
+        # that does before each capture: a device-wide synchronize (which would wait for the
+        # previous graph's checked run) and emptying the device and host caches (which the next
+        # packs and copies would allocate again).
+        with torch.cuda.stream(self._capture_stream):
+            graph.capture_begin(self.pool, capture_error_mode="thread_local")
+            try:
+                run()
+            finally:
+                graph.capture_end()
         entry.graph = graph
         self.captured = True
         # Nothing else allocates meanwhile (the device lock), and the cache is not emptied, so
@@ -67,13 +77,3 @@ class GraphCapture:
 
     def pool_bytes(self) -> int:
         return pool_reserved_bytes(self.pool, self.device) if self.pool is not None else 0
-
-
-class _Capturing(torch.cuda.graph):
-    """`torch.cuda.graph` without what its entry does before each capture: a device-wide
-    synchronize (which would wait for the previous graph's checked replay), emptying the device
-    and host caches (which the next packs and copies would allocate again)."""
-
-    def __enter__(self) -> None:
-        self.stream_ctx.__enter__()
-        self.cuda_graph.capture_begin(*self.pool, capture_error_mode=self.capture_error_mode)
