@@ -23,14 +23,13 @@ class GraphCapture:
         self.device = device
         self.memory = memory
         self.pool = None
-        self.captured = False
         self._side: torch.cuda.Stream | None = None
         self._capture_stream: torch.cuda.Stream | None = None
 
     @property
     def started(self) -> bool:
-        """Whether a graph was captured into the pool yet."""
-        return self.captured
+        """Whether the pool exists (a graph was captured into it, or is about to be)."""
+        return self.pool is not None
 
     def _ensure_pool(self) -> None:
         if self.pool is None:
@@ -41,15 +40,16 @@ class GraphCapture:
     def warm(self, run: Callable[[], None]) -> None:
         """`run` once on a side stream (kernel selection, plans, workspaces): what PyTorch asks
         before a capture, so lazy initialisation never happens inside one. The device cache is
-        emptied first: the capture that follows is the first into the pool (which it sizes) or
-        one tried again (which may have failed for memory)."""
+        emptied after it, as `torch.cuda.graph` does before a capture: the one that follows is the
+        first into the pool (which it sizes) or one tried again (which may have failed for memory),
+        and while a capture is underway the allocator cannot give cached blocks back."""
         self._ensure_pool()
-        torch.cuda.empty_cache()
         current = torch.cuda.current_stream(self.device)
         self._side.wait_stream(current)
         with torch.cuda.stream(self._side):
             run()
         current.wait_stream(self._side)
+        torch.cuda.empty_cache()
 
     def capture(self, entry: GraphEntry, run: Callable[[], None]) -> int:
         """Capture `run` as `entry`'s graph into the shared pool; returns how much the pool grew.
@@ -63,6 +63,9 @@ class GraphCapture:
         # that does before each capture: a device-wide synchronize (which would wait for the
         # previous graph's checked run) and emptying the device and host caches (which the next
         # packs and copies would allocate again).
+        # Ordered after the work already launched (on the GPU only: the host goes on), so the
+        # capture's own setup (the RNG state it fills) never meets a replay still running.
+        self._capture_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._capture_stream):
             graph.capture_begin(self.pool, capture_error_mode="thread_local")
             try:
@@ -70,7 +73,6 @@ class GraphCapture:
             finally:
                 graph.capture_end()
         entry.graph = graph
-        self.captured = True
         # Nothing else allocates meanwhile (the device lock), and the cache is not emptied, so
         # the growth of what the allocator reserved is the pool's, without an allocator snapshot.
         return max(0, torch.cuda.memory_reserved(self.device) - before)

@@ -50,10 +50,9 @@ def measure_peak_bytes(forward: Callable[[], object], device: torch.device) -> i
 
 
 def pool_reserved_bytes(pool, device: torch.device) -> int:
-    """Bytes of the allocator segments that belong to one graph memory pool (allocator snapshot).
-
-    Exact for the pool: unlike deltas of `memory_reserved`, it does not count warm-up
-    activations cached outside the pool."""
+    """Bytes of the allocator segments that belong to one graph memory pool (allocator snapshot):
+    exact for the pool whatever else is cached, but it walks every block (recurring graphs'
+    accounting; a warm-up capture reads the growth of `memory_reserved` instead)."""
     wanted = tuple(pool)
     index = device.index if device.index is not None else torch.cuda.current_device()
     return sum(

@@ -236,7 +236,10 @@ class WarmUp:
             with self.runner.device_lock:
                 pending = [e.key for e in table.entries.values() if e.state == PENDING]
             self.references.expect(self._sample_specs(key) for key in pending)
-        while not stop.is_set():
+        while True:
+            if stop.is_set():
+                self._unchecked = None  # never launched: it stays pending, never live
+                return
             entry = self._next_entry()
             if entry is None and self._unchecked is not None:
                 with self.runner.device_lock:
@@ -354,11 +357,12 @@ class WarmUp:
         io.fill_empty(entry)
         warm = not capture.started
         for _ in range(3):  # at most one retry each: with the uncompiled forward, after a warm run
+            if warm and earlier is not None:  # its check (and retiming) fills the shared buffers
+                self._settle(earlier)
+                io.fill_empty(entry)
             try:
                 with runner.encoder.capturing(), self._no_recompile(entry, may_warm):
                     if warm:
-                        if earlier is not None:
-                            self._settle(earlier)
                         capture.warm(lambda: io.forward_into(entry))
                     runner.memory.graph_bytes[entry.key] = capture.capture(entry, lambda: io.forward_into(entry))
                 return True
@@ -433,9 +437,9 @@ class WarmUp:
             entry.outputs["tokens"][:tokens], None if deepstack is None else deepstack[:, :tokens], check.reference
         )
         entry.self_check_error = error
-        launched.passed = math.isfinite(error) and error <= runner.config.self_check_tolerance
-        if not launched.passed:
+        if not math.isfinite(error) or error > runner.config.self_check_tolerance:
             runner.table.disable(entry, f"self-check error {error:.3g} > {runner.config.self_check_tolerance}")
+            launched.passed = False
             return False
         if replay_ms < RETIME_MS:
             launch = lambda: runner.io.launch(entry, check.metadata, check.pixels, check.specs, runner.device)  # noqa: E731
@@ -443,6 +447,7 @@ class WarmUp:
         entry.replay_ms = replay_ms
         if entry.graph is not None and entry.state == PENDING:  # a graph goes live once checked
             entry.state = LIVE
+        launched.passed = True
         return True
 
     @property
@@ -535,13 +540,13 @@ class _Timer:
         self.device = device
         if device.type == "cuda":
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
+            self._events[0].record(torch.cuda.current_stream(device))
         else:
             self._began = time.perf_counter()
 
     def stop(self) -> None:
         if self.device.type == "cuda":
-            self._events[1].record()
+            self._events[1].record(torch.cuda.current_stream(self.device))
         else:
             self._wall_ms = (time.perf_counter() - self._began) * 1e3
 

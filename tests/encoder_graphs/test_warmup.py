@@ -234,12 +234,19 @@ class ReplayingCapture:
         self.started = False
         self.fail_once, self.corrupt = set(fail_once), set(corrupt)
         self.warm_runs = 0
+        self.captures: list = []
+        self.warming = False
 
     def warm(self, run) -> None:
         self.warm_runs += 1
-        run()
+        self.started, self.warming = True, True
+        try:
+            run()
+        finally:
+            self.warming = False
 
     def capture(self, entry, run) -> int:
+        self.captures.append(entry.key)
         if entry.key in self.fail_once:
             self.fail_once.discard(entry.key)
             raise RuntimeError("operation not permitted when stream is capturing")
@@ -254,14 +261,49 @@ class ReplayingCapture:
         return 0
 
 
+class SettlingLock:
+    """The device lock, asserting at each outermost release that no graph's checked run is left
+    launched and unread (the serving thread would then overwrite the outputs it compares)."""
+
+    def __init__(self, launched: list):
+        self._lock, self._depth, self.launched = threading.RLock(), 0, launched
+
+    def __enter__(self):
+        self._lock.acquire()
+        self._depth += 1
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth == 0 and exc[0] is None:
+            assert all(launch.passed is not None for launch in self.launched), "a check left unread"
+        self._lock.release()
+
+
 def pipelined_runner(encoder, capture: ReplayingCapture) -> EncoderRunner:
     """A runner whose warm-up checks graphs as on a GPU: each graph's checked run is launched
     before the next capture and read after it (the forward stands in for a compiled one, so that
     graphs are checked on CPU)."""
     runner = EncoderRunner(encoder, SMALL_LADDER, compiled_forward=encoder.forward_padded)
     runner.capture = capture
+    forward_into = runner.io.forward_into
+
+    def forward_checked(entry):  # a warm run sees an empty pack, not another graph's sample
+        assert not capture.warming or not entry.inputs["pixel_values"].any(), "a warm run on a sample"
+        forward_into(entry)
+
+    runner.io.forward_into = forward_checked
+    launched: list = []
+    launch = runner.warmup._launch
+
+    def recorded(*args):
+        launched.append(launch(*args))
+        return launched[-1]
+
+    runner.warmup._launch = recorded
+    runner.device_lock = SettlingLock(launched)
     runner.prepare(progress=lambda message: None)
     runner.warm_up(progress=lambda message: None)
+    assert launched and all(launch.passed is not None for launch in launched)
     return runner
 
 
@@ -275,6 +317,7 @@ def test_each_graph_is_checked_on_its_own_rows_while_the_next_is_captured(qwen3)
     runner = pipelined_runner(encoder, capture)
     entries = runner.table.entries.values()
     assert capture.warm_runs == 2 and runner.table.live_count() == len(keys)
+    assert sorted(capture.captures) == sorted([*keys, keys[1]])  # each once, the failed one twice
     assert all(e.self_check_error <= 1e-4 for e in entries) and all(e.replay_ms >= 0 for e in entries)
     for seed, sizes in enumerate([[(200, 200)], [(300, 260), (120, 90)]]):
         pixels, specs = images(encoder, seed, sizes)
