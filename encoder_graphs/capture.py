@@ -15,6 +15,10 @@ import torch
 from .entry import GraphEntry
 from .memory import MemoryReport, pool_reserved_bytes
 
+LOW_FREE = 0.1
+"""Below this share of the device's memory free, the cache is emptied before a capture (which
+waits for the device): otherwise captures start at once, overlapping the previous graph's check."""
+
 
 class GraphCapture:
     """The shared graph pool of one device and the side stream warm-up runs use."""
@@ -57,6 +61,9 @@ class GraphCapture:
         (the runner's device lock keeps them out of the capture anyway). Work launched before it
         may still be running: a capture records, it runs nothing."""
         self._ensure_pool()
+        free, total = torch.cuda.mem_get_info(self.device)
+        if free < LOW_FREE * total:  # a capture cannot give cached blocks back if it runs short
+            torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
         # `CUDAGraph.capture_begin` on a side stream, as `torch.cuda.graph` does, but without what
