@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 PRESET = "internvl3-8b"
 TOKEN_BUDGET = 2048  # 8 tiles: the largest pack below
-RESULTS_DIR = Path(os.environ.get("RESULTS_DIR", "benchmarks/results"))
+RESULTS_DIR = Path(os.environ.get("RESULTS_DIR", "/tmp/vlm-encoder-results"))  # not the checkout
 PACKS = {
     "1 tile": [(448, 448)],
     "7 tiles + thumbnail": [(300, 2100)],
