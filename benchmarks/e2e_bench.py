@@ -256,9 +256,11 @@ def _handle_setup(address: str, app: str, requests: list):
     return run, ray.shutdown
 
 
-def _pool_client(setup: Callable, static: tuple, index: int, inbox, out) -> None:
+def _pool_client(setup: Callable, static: tuple, index: int, inbox, out, niceness: int = 0) -> None:
     close = None
     try:
+        if niceness:  # raising one's own nice value needs no permission
+            os.nice(niceness)
         run, close = setup(*static)
         out.put(("ready", index))
         while (job := inbox.get()) is not None:
@@ -280,12 +282,12 @@ class ClientPool:
     process cannot read the results of a fast service). Each gets the requests once: starting a
     Ray driver, or pickling the bodies over, for every point took longer than the point."""
 
-    def __init__(self, setup: Callable, static: tuple, processes: int, workload: list):
+    def __init__(self, setup: Callable, static: tuple, processes: int, workload: list, niceness: int = 0):
         self.workload = workload  # its id keys the pool: held, it cannot be reused by another list
         context = multiprocessing.get_context("spawn")
         self.out, self.inboxes = context.Queue(), [context.Queue() for _ in range(processes)]
         self.clients = [
-            context.Process(target=_pool_client, args=(setup, static, p, inbox, self.out), daemon=True)
+            context.Process(target=_pool_client, args=(setup, static, p, inbox, self.out, niceness), daemon=True)
             for p, inbox in enumerate(self.inboxes)
         ]
         for client in self.clients:
@@ -448,11 +450,13 @@ def _measure_interface(args, name, interface, how, requests, concurrencies, rows
     key = (interface, how[:3], id(requests))  # client processes per interface and workload (kept alive by the pool)
     if how[0] in ("handles", "http") and key not in pools:
         if how[0] == "handles":
-            pools[key] = ClientPool(_handle_setup, (how[1], how[2], requests), how[3], requests)
+            pools[key] = ClientPool(
+                _handle_setup, (how[1], how[2], requests), how[3], requests, args.client_niceness
+            )
         else:
             bodies = [http_body(r, how[2], name == "ours") for r in requests]
             processes = min(args.http_processes, max(concurrencies))
-            pools[key] = ClientPool(_http_setup, (how[1], bodies, how[2]), processes, requests)
+            pools[key] = ClientPool(_http_setup, (how[1], bodies, how[2]), processes, requests, args.client_niceness)
     for concurrency in concurrencies:
         seconds = args.seconds + args.warmup
         window, clients_cpu = Window(), 0.0  # callers in other processes report their own CPU
@@ -1144,6 +1148,15 @@ def main() -> None:
         type=int,
         default=1,
         help="ours: driver processes sharing the mixed handle load (1: all callers in this process)",
+    )
+    parser.add_argument(
+        "--client-niceness",
+        type=int,
+        default=0,
+        choices=range(0, 20),
+        metavar="0-19",
+        help="raise the client processes' nice value by this much (15: as Ray's workers, e.g. a deployment "
+        "calling the service; 0: plain processes, which the scheduler favours over the service's nice-15 workers)",
     )
     parser.add_argument(
         "--http-processes",
