@@ -13,6 +13,8 @@ import torch
 
 from models.protocol import ItemSpec, segment_groups, segment_lengths
 
+from .selfcheck import DeviceTimer
+
 SIGHTINGS_KEPT = 4096
 """Pack keys (or attention shapes) remembered, least recently seen dropped."""
 LEARNED_WEIGHT = 0.5
@@ -65,7 +67,7 @@ class RouteCosts:
         self.cold_ms: float | None = None
         """What a new shape added to its first pack, learned from first packs (None: not yet)."""
         self._timing: tuple | None = None
-        """A route's timing still running on the GPU: (key, shapes, estimate, start, end)."""
+        """A route's timing still running on the GPU: (key, shapes, estimate, timer)."""
 
     def set_startup(self, route: str, points: Sequence[tuple[int, float]]) -> None:
         """The startup curve of `route`: (tokens, ms) of full packs; non-finite points dropped."""
@@ -83,35 +85,29 @@ class RouteCosts:
         cold = (self.cold_ms or 0.0) if new else 0.0
         return scale * self.startup_estimate_ms(route, tokens) + cold
 
-    def timer(self):
-        """A start mark: a CUDA event on the current stream (no wait), else the host clock."""
-        if self.device.type != "cuda":
-            return self.clock()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
+    def timer(self) -> DeviceTimer:
+        """A start mark: a CUDA event on the current stream (no wait), else `clock`."""
+        return DeviceTimer(self.device, self.clock)
 
-    def time_route(self, key: RouteKey, shapes: list, estimate_ms: float, start) -> None:
-        """End a route's timing (`estimate_ms`: its startup estimate). CUDA: the GPU span between
-        the two events (idle gaps while the host launches included), read once done, at the next
-        pack (`absorb_timing`): no wait here."""
+    def time_route(self, key: RouteKey, shapes: list, estimate_ms: float, start: DeviceTimer) -> None:
+        """End a route's timing (`estimate_ms`: its startup estimate). CUDA: the GPU span, read
+        once done, at the next pack (`absorb_timing`): no wait here."""
         if not math.isfinite(estimate_ms) or estimate_ms <= 0:
             self.mark_run(shapes)
             return
-        if not isinstance(start, torch.cuda.Event):
-            self._learn(key, shapes, (self.clock() - start) * 1e3, estimate_ms)
+        start.stop()
+        if start.device.type != "cuda":
+            self._learn(key, shapes, start.ms(), estimate_ms)
             return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(torch.cuda.current_stream(self.device))
         if self._timing is not None:  # still running at this pack's start: dropped, its shapes built
             self.mark_run(self._timing[1])
-        self._timing = (key, shapes, estimate_ms, start, end)
+        self._timing = (key, shapes, estimate_ms, start)
 
     def absorb_timing(self) -> None:
-        if self._timing is not None and self._timing[-1].query():
-            key, shapes, estimate_ms, start, end = self._timing
+        if self._timing is not None and self._timing[-1].done():
+            key, shapes, estimate_ms, timer = self._timing
             self._timing = None
-            self._learn(key, shapes, start.elapsed_time(end), estimate_ms)
+            self._learn(key, shapes, timer.ms(), estimate_ms)
 
     def mark_run(self, shapes) -> None:
         for shape in shapes:

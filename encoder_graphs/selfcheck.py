@@ -137,6 +137,37 @@ def time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 3, wa
     return interleaved_ms({"fn": fn}, device, repeats, warmup)["fn"]
 
 
+class DeviceTimer:
+    """Device time from its creation to `stop`, without waiting: CUDA events on the current stream
+    (the GPU's span, idle gaps while the host launches included), else `clock` (seconds)."""
+
+    def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter):
+        self.device, self.clock = device, clock
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record(torch.cuda.current_stream(device))
+        else:
+            self._began = clock()
+
+    def stop(self) -> DeviceTimer:
+        if self.device.type == "cuda":
+            self._events[1].record(torch.cuda.current_stream(self.device))
+        else:
+            self._ms = (self.clock() - self._began) * 1e3
+        return self
+
+    def done(self) -> bool:
+        """Whether the stop was reached (no wait)."""
+        return self.device.type != "cuda" or self._events[1].query()
+
+    def ms(self) -> float:
+        """Waits for the stop."""
+        if self.device.type != "cuda":
+            return self._ms
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1])
+
+
 def synchronized_ms(fn: Callable[[], object], device: torch.device) -> float:
     """Wall ms of one call of `fn`, the device idle before and done after."""
     if device.type == "cuda":

@@ -30,7 +30,7 @@ from .entry import DISABLED, LIVE, PENDING, GraphEntry, GraphKey
 from .preflight import check_eager, check_memory, raise_recompile_limits
 from .references import References, SamplePack
 from .route_costs import attention_shapes
-from .selfcheck import best_ms, pack_error, sample_frame, synthetic_pixels, synthetic_specs
+from .selfcheck import DeviceTimer, best_ms, pack_error, sample_frame, synthetic_pixels, synthetic_specs
 from .table import input_specs
 
 if TYPE_CHECKING:
@@ -418,10 +418,9 @@ class WarmUp:
             runner.io.fill(entry, check.pixels, check.metadata)
             runner.io.forward_into(entry)
             return _Launched(check)
-        timer = _Timer(runner.device)
+        timer = DeviceTimer(runner.device)
         runner.io.launch(entry, check.metadata, check.pixels, check.specs, runner.device)
-        timer.stop()
-        return _Launched(check, timer)
+        return _Launched(check, timer.stop())
 
     def _settle(self, launched: _Launched) -> bool:
         """Read a launched check (once): the graph against the eager reference, disabled on a
@@ -533,35 +532,10 @@ class _Check:
         return sum(s.output_tokens for s in self.specs)
 
 
-class _Timer:
-    """Device time from here to `stop` (CUDA events; wall time elsewhere)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        if device.type == "cuda":
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._events[0].record(torch.cuda.current_stream(device))
-        else:
-            self._began = time.perf_counter()
-
-    def stop(self) -> None:
-        if self.device.type == "cuda":
-            self._events[1].record(torch.cuda.current_stream(self.device))
-        else:
-            self._wall_ms = (time.perf_counter() - self._began) * 1e3
-
-    def ms(self) -> float:
-        """Waits for the stop."""
-        if self.device.type == "cuda":
-            self._events[1].synchronize()
-            return self._events[0].elapsed_time(self._events[1])
-        return self._wall_ms
-
-
 @dataclass
 class _Launched:
     check: _Check
-    timer: _Timer | None = None
+    timer: DeviceTimer | None = None
     passed: bool | None = None
 
 
