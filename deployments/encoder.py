@@ -412,6 +412,11 @@ class EncoderReplica:
         one replica's forwards, tokens and busy seconds over the time between them."""
         with self._counter_lock:
             seconds = {step: round(value, 3) for step, value in self.seconds.items()}
+        # within "run": what a new replica's forwards spend on top of serving until they have seen
+        # their traffic (each graph's checked first pack, recurring packs' graphs captured)
+        stats = self.runner.stats
+        seconds["first_pack_checks"] = round(stats.first_pack_check_s, 3)
+        seconds["recurring_captures"] = round(stats.recurring_capture_s, 3)
         return {
             "pid": os.getpid(),
             "at": round(time.time(), 3),

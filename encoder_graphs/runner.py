@@ -191,7 +191,9 @@ class EncoderRunner:
         outputs = self._run_plan(plan, pixel_values, specs, budget, tokens, output_device)
         self._synchronize()
         self.costs.absorb_timing()  # before the capture marks the pack's shapes as run
-        self.recurring.capture(key, pixel_values, specs, (time.perf_counter() - start) * 1e3, output_device)
+        captured = time.perf_counter()
+        self.recurring.capture(key, pixel_values, specs, (captured - start) * 1e3, output_device)
+        self.stats.recurring_capture_s += time.perf_counter() - captured
         return outputs
 
     def _synchronize(self) -> None:
@@ -281,7 +283,9 @@ class EncoderRunner:
             self.stats.record_eager("nonfinite", budget, tokens)
             return moved_items(eager, specs, output_device)
         if not entry.verified and self.config.self_check:
+            started = time.perf_counter()
             eager = self._first_pack_mismatch(entry, results, pixel_values, specs)
+            self.stats.first_pack_check_s += time.perf_counter() - started
             if eager is not None:
                 self.stats.record_eager("mismatch", budget, tokens)
                 return moved_items(eager, specs, output_device)

@@ -54,6 +54,8 @@ class RunnerStats:
     """Graphs whose first real pack was checked against eager."""
     first_pack_mismatches: int = 0
     """Of those, graphs whose first real pack disagreed (disabled; the pack served eagerly)."""
+    first_pack_check_s: float = 0.0
+    """Wall seconds those checks added to their packs' runs (the eager forward and the comparison)."""
     packs: int = 0
     items: int = 0
     split_packs: int = 0
@@ -79,6 +81,9 @@ class RunnerStats:
     """Recurring packs refused a graph, per reason: "slower" than the planned route, "mismatch"
     with its own warm-up run, "error" while capturing, "memory" (too little free), "nonfinite"
     output at run time."""
+    recurring_capture_s: float = 0.0
+    """Wall seconds the packs that earned a graph spent on capturing, checking and timing it
+    (accepted or refused), beyond their own run."""
     recurring_uncompiled: int = 0
     """Recurring packs' graphs that hold the uncompiled forward (the compiled one would have
     needed a compile)."""
@@ -127,6 +132,7 @@ class RunnerStats:
             "disabled_graphs": self.disabled_graphs,
             "first_pack_checks": self.first_pack_checks,
             "first_pack_mismatches": self.first_pack_mismatches,
+            "first_pack_check_s": round(self.first_pack_check_s, 3),
             "split_packs": self.split_packs,
             "compiled_exact": self.compiled_exact,
             "recompile_fallbacks": self.recompile_fallbacks,
@@ -136,5 +142,6 @@ class RunnerStats:
             "recurring_evicted": self.recurring_evicted,
             "recurring_sparse": self.recurring_sparse,
             "recurring_rejected": dict(self.recurring_rejected),
+            "recurring_capture_s": round(self.recurring_capture_s, 3),
             "recurring_uncompiled": self.recurring_uncompiled,
         }

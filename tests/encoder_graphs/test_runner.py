@@ -77,6 +77,7 @@ def test_runner_outputs_match_transformers_per_item(fixture, request):
     assert_matches_reference(reference, pixels, [spec], runner.run(pixels, [spec]))
     assert sum(runner.stats.graph_hits.values()) == 4
     assert runner.stats.first_pack_checks >= 1 and runner.stats.first_pack_mismatches == 0
+    assert runner.stats.first_pack_check_s > 0 and runner.stats.recurring_capture_s == 0  # nothing recurred
 
 
 def test_oversize_pack_runs_eagerly_and_is_counted(qwen3):
@@ -593,6 +594,7 @@ def test_a_recurring_pack_gets_its_own_exact_layout_graph(qwen3):
     stats = runner.stats.snapshot()
     # `other` recurs too (it runs once per pack): its own entry from its third run on
     assert stats["recurring_captured"] == 3 and stats["recurring_hits"] == 2 + 4
+    assert stats["recurring_capture_s"] > 0
     assert sum(stats["graph_hits"].values()) == 2 * 2 + 2
     assert runner.describe()["recurring_graphs"] == 3
     dense = next(e for e in runner.recurring.entries.values() if e.dense)
