@@ -59,7 +59,7 @@ from benchmarks.serve_log import (  # noqa: E402
     startup_failure,
     startup_lines,
 )
-from benchmarks.service_counters import counted_between  # noqa: E402
+from benchmarks.service_counters import counted_between, run_shares  # noqa: E402
 
 SIZES = [(224, 224), (448, 448), (640, 480), (800, 600), (1024, 768), (1280, 720), (1920, 1080)]
 VIDEO_SHARE = 0.1
@@ -1083,8 +1083,9 @@ def scaling_table(runs: dict[int, dict]) -> str:
     lines = [
         "| replicas | "
         + " | ".join(f"{i}: tok/s (c, p50 ms) | x{fewest}" for i in interfaces)
-        + " | routers' cores (with decode workers; the host's busy cores where recorded) |",
-        "|---|" + "---|---|" * len(interfaces) + "---|",
+        + " | routers' cores (with decode workers; the host's busy cores where recorded)"
+        + f" | each replica's share of the {interfaces[0]} window |",
+        "|---|" + "---|---|" * len(interfaces) + "---|---|",
     ]
     for n in sorted(runs):
         cells, cores = [], []
@@ -1099,7 +1100,9 @@ def scaling_table(runs: dict[int, dict]) -> str:
             used = point["cores_used"]
             host = f"; host {point['host_busy_cores']:.1f}" if "host_busy_cores" in point else ""
             cores.append(f"{i} {used.get('EncoderRouter', 0) + used.get('decode_worker', 0):.1f}{host}")
-        lines.append(f"| {n} | " + " | ".join(cells) + f" | {', '.join(cores)} |")
+        first = best[n, interfaces[0]]
+        shares = run_shares(first.get("service_window", {})) if first else ""
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {', '.join(cores)} | {shares} |")
     killed = [(n, run["failover"]) for n, run in runs.items() if "failover" in run]
     for n, result in killed:
         shown = {k: v for k, v in result.items() if k != "tokens_per_second_from_kill"}

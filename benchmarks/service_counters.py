@@ -71,3 +71,21 @@ def _rate(first: dict, last: dict) -> dict | None:
         rate["requests_per_forward"] = round((last["merged_requests"] - first["merged_requests"]) / forwards, 2)
         rate["ms_per_forward"] = {k: round(1e3 * v / forwards, 1) for k, v in steps.items()}
     return rate
+
+
+def run_shares(window: dict) -> str:
+    """Each replica's share of a window in `run` and, within it, in graphs' checked first packs and
+    recurring packs' captures, as ranges over the replicas (what a replica spends until it has seen
+    its traffic, beside what it serves; those two only where the reports carry them); "" without
+    per-replica rates."""
+    shares = [rate["share"] for rate in ((window or {}).get("replicas") or {}).values() if "share" in rate]
+    if not shares:
+        return ""
+
+    def span(step: str) -> str:
+        low, high = min(s.get(step, 0.0) for s in shares), max(s.get(step, 0.0) for s in shares)
+        return f"{low:.2f}" if low == high else f"{low:.2f}-{high:.2f}"
+
+    if not any("first_pack_checks" in s for s in shares):  # reports from before these were counted
+        return f"run {span('run')}"
+    return f"run {span('run')} (first-pack checks {span('first_pack_checks')}, captures {span('recurring_captures')})"

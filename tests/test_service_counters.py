@@ -3,7 +3,7 @@ count of Serve's slow-probe lines (benchmarks/serve_log.py), on snapshots shaped
 `/v1/models/{id}` returns them and on lines a real run logged."""
 
 from benchmarks.serve_log import SLOW_PROBE, occurrences
-from benchmarks.service_counters import counted_between, replica_rates
+from benchmarks.service_counters import counted_between, replica_rates, run_shares
 
 
 def work(pid: int, at: float, forwards: int, requests: int, tokens: int, run: float, store: float) -> dict:
@@ -62,3 +62,17 @@ PROBES = (
 
 def test_folded_repeats_count_as_often_as_ray_says_and_only_the_encoders_probes_count():
     assert occurrences(PROBES, SLOW_PROBE) == 8
+
+
+def test_run_shares_span_the_replicas():
+    window = {
+        "replicas": {
+            "a": {"share": {"run": 0.78, "first_pack_checks": 0.1, "recurring_captures": 0.02}},
+            "b": {"share": {"run": 0.8, "first_pack_checks": 0.1, "recurring_captures": 0.0}},
+            "c": {"seconds": 1.0},  # a replica without rates (another version's report)
+        }
+    }
+    assert run_shares(window) == "run 0.78-0.80 (first-pack checks 0.10, captures 0.00-0.02)"
+    assert run_shares({}) == run_shares({"replicas": {}}) == ""
+    older = {"replicas": {"a": {"share": {"run": 0.9}}}}  # reports from before these steps were counted
+    assert run_shares(older) == "run 0.90"
