@@ -75,9 +75,9 @@ def _rate(first: dict, last: dict) -> dict | None:
 
 def run_shares(window: dict) -> str:
     """Each replica's share of a window in `run` and, within it, in graphs' checked first packs and
-    recurring packs' captures, as ranges over the replicas (what a replica spends until it has seen
-    its traffic, beside what it serves; those two only where the reports carry them); "" without
-    per-replica rates."""
+    recurring packs' captures (what a replica spends until it has seen its traffic), and between a
+    forward's end and the next one's start while packs waited, as ranges over the replicas (each only
+    where the reports carry it); "" without per-replica rates."""
     shares = [rate["share"] for rate in ((window or {}).get("replicas") or {}).values() if "share" in rate]
     if not shares:
         return ""
@@ -88,4 +88,6 @@ def run_shares(window: dict) -> str:
 
     if not any("first_pack_checks" in s for s in shares):  # reports from before these were counted
         return f"run {span('run')}"
-    return f"run {span('run')} (first-pack checks {span('first_pack_checks')}, captures {span('recurring_captures')})"
+    within = f"first-pack checks {span('first_pack_checks')}, captures {span('recurring_captures')}"
+    between = f"; between forwards while packs waited {span('between')}" if any("between" in s for s in shares) else ""
+    return f"run {span('run')} ({within}){between}"

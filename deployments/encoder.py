@@ -179,8 +179,12 @@ class EncoderReplica:
         self.merged_requests = 0
         self.tokens = 0
         """Vision tokens of the packs run (failed ones too)."""
-        self.seconds = {"preprocess": 0.0, "run": 0.0, "store": 0.0}
-        """Cumulative wall seconds of each step of a forward (the device is busy at most in "run")."""
+        self.seconds = {"preprocess": 0.0, "run": 0.0, "store": 0.0, "between": 0.0}
+        """Cumulative wall seconds of each step of a forward (the device is busy at most in "run";
+        "between": from a forward's end to the next one's start while packs waited, the trip back
+        through the event loop)."""
+        self._ended_with_work: float | None = None
+        """When the last forward ended, if packs were waiting then."""
         self._counter_lock = threading.Lock()
         self.metrics = EncoderMetrics()
         self._queued_tokens = 0
@@ -285,6 +289,8 @@ class EncoderReplica:
         # forward's device-side preprocessing out of a warm-up capture.
         with self.runner.device_lock:
             started = time.perf_counter()
+            if self._ended_with_work is not None:
+                self._add_seconds("between", started - self._ended_with_work)
             self._count(queued=-tokens, inflight=tokens)
             try:
                 outputs = self._forward(packs)
@@ -299,7 +305,9 @@ class EncoderReplica:
             finally:
                 self._count(inflight=-tokens)
             failed = all(isinstance(outputs, Exception) for outputs in per_pack)
-            return Ran(per_pack, started, time.perf_counter() - started, None if failed else self.runner.stats.last)
+            ended = time.perf_counter()
+            self._ended_with_work = ended if self._waiting else None
+            return Ran(per_pack, started, ended - started, None if failed else self.runner.stats.last)
 
     def _alone(self, pack: PackRequest) -> list[ItemOutput] | Exception:
         try:
@@ -411,7 +419,7 @@ class EncoderReplica:
         """Cumulative counters, stamped with this host's clock: the difference of two reports is
         one replica's forwards, tokens and busy seconds over the time between them."""
         with self._counter_lock:
-            seconds = {step: round(value, 3) for step, value in self.seconds.items()}
+            seconds = {step: round(value, 6) for step, value in self.seconds.items()}
         # within "run": what a new replica's forwards spend on top of serving until they have seen
         # their traffic (each graph's checked first pack, recurring packs' graphs captured)
         stats = self.runner.stats

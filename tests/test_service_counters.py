@@ -67,12 +67,14 @@ def test_folded_repeats_count_as_often_as_ray_says_and_only_the_encoders_probes_
 def test_run_shares_span_the_replicas():
     window = {
         "replicas": {
-            "a": {"share": {"run": 0.78, "first_pack_checks": 0.1, "recurring_captures": 0.02}},
-            "b": {"share": {"run": 0.8, "first_pack_checks": 0.1, "recurring_captures": 0.0}},
+            "a": {"share": {"run": 0.78, "first_pack_checks": 0.1, "recurring_captures": 0.02, "between": 0.1}},
+            "b": {"share": {"run": 0.8, "first_pack_checks": 0.1, "recurring_captures": 0.0, "between": 0.12}},
             "c": {"seconds": 1.0},  # a replica without rates (another version's report)
         }
     }
-    assert run_shares(window) == "run 0.78-0.80 (first-pack checks 0.10, captures 0.00-0.02)"
+    assert run_shares(window) == (
+        "run 0.78-0.80 (first-pack checks 0.10, captures 0.00-0.02); between forwards while packs waited 0.10-0.12"
+    )
     assert run_shares({}) == run_shares({"replicas": {}}) == ""
     older = {"replicas": {"a": {"share": {"run": 0.9}}}}  # reports from before these steps were counted
     assert run_shares(older) == "run 0.90"

@@ -280,6 +280,7 @@ def test_health_models_and_docs(app, url, serve_harness):
         assert work["pid"] == detail["replica"]["pid"] and work["at"] > 0
         assert 0 <= work["forwards"] <= work["merged_packs"] and work["tokens"] >= 0 and "store" in work["step_seconds"]
         assert 0 <= work["step_seconds"]["first_pack_checks"] <= work["step_seconds"]["run"]
+        assert work["step_seconds"]["between"] >= 0  # from one forward to the next while packs waited
         unknown = client.get(url + "/v1/models/gpt-4o")
         assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
         assert unknown.json()["error"]["type"] == "invalid_request_error"  # as /v1/encode's unknown model
@@ -420,6 +421,33 @@ def test_packs_waiting_at_a_replica_run_merged_and_each_gets_its_own_items(app, 
             assert relative_error(output.tokens, tokens) <= TOLERANCE
             if deepstack is not None:
                 assert relative_error(output.deepstack, deepstack) <= TOLERANCE
+
+
+def test_the_trip_between_forwards_is_counted_while_packs_wait(app, reference):
+    """A large pack's forward with small packs arriving meanwhile: the time from its end to the
+    next forward's start (back through the event loop) is counted as the replica's `between` step."""
+    from deployments.encoder import PackRequest
+
+    encoder, _ = reference
+    pre = encoder.preprocessor
+    large = [image_file(pattern(2048, 2048, seed=90), "PNG")]
+    small = [[image_file(pattern(64 + 16 * i, 64, seed=91 + i), "PNG")] for i in range(3)]
+    packs = []
+    for pack_id, group in enumerate([large, *small]):
+        pixels, specs = zip(*(resized_item(pre, data) for data in group))
+        packs.append(PackRequest(20_000 + pack_id, "image", list(pixels), list(specs)))
+    replica = serve.get_deployment_handle("EncoderReplica", app_name=app.name)
+    before = replica.describe.remote().result()
+    first = replica.encode_pack.remote(packs[0])
+    deadline = time.monotonic() + 30
+    while replica.describe.remote().result()["inflight_tokens"] == 0:  # until its forward has begun
+        assert time.monotonic() < deadline, "the large pack's forward did not begin"
+        time.sleep(0.005)
+    results = [r.result() for r in [replica.encode_pack.remote(pack) for pack in packs[1:]]] + [first.result()]
+    after = replica.describe.remote().result()
+    assert after["forwards"] - before["forwards"] >= 2 and all(r.outputs for r in results)
+    seen = {k: (before[k], after[k]) for k in ("forwards", "step_seconds", "merged_packs")}
+    assert after["step_seconds"]["between"] > before["step_seconds"]["between"], seen
 
 
 def test_a_pack_that_fails_in_a_merged_forward_fails_alone(app, reference):
