@@ -181,8 +181,8 @@ class EncoderReplica:
         """Vision tokens of the packs run (failed ones too)."""
         self.seconds = {"preprocess": 0.0, "run": 0.0, "store": 0.0, "between": 0.0}
         """Cumulative wall seconds of each step of a forward (the device is busy at most in "run";
-        "between": from a forward's end to the next one's start while packs waited, the trip back
-        through the event loop)."""
+        "between": from a forward's end to the next one's start while packs waited: the trip back
+        through the event loop, and any wait for the device lock a warm-up step holds)."""
         self._ended_with_work: float | None = None
         """When the last forward ended, if packs were waiting then."""
         self._counter_lock = threading.Lock()
@@ -423,8 +423,8 @@ class EncoderReplica:
         # within "run": what a new replica's forwards spend on top of serving until they have seen
         # their traffic (each graph's checked first pack, recurring packs' graphs captured)
         stats = self.runner.stats
-        seconds["first_pack_checks"] = round(stats.first_pack_check_s, 3)
-        seconds["recurring_captures"] = round(stats.recurring_capture_s, 3)
+        seconds["first_pack_checks"] = round(stats.first_pack_check_s, 6)
+        seconds["recurring_captures"] = round(stats.recurring_capture_s, 6)
         return {
             "pid": os.getpid(),
             "at": round(time.time(), 3),
