@@ -448,6 +448,7 @@ class EncoderReplica:
             "graphs_live": status.graphs_live,
             "graphs_total": status.graphs_total,
             "full_speed": status.full_speed,
+            "from_record": status.from_record,  # graphs captured on an earlier warm-up's checks
         }
 
     def record_autoscaling_stats(self) -> dict:

@@ -73,6 +73,10 @@ class GraphConfig:
     """Directory (shared storage on a cluster) where compiled artifacts are kept, keyed by model,
     layouts, torch, Triton and GPU, so later replicas and restarts load them instead of compiling.
     Null: no cache beyond torch's local one."""
+    reuse_checks: bool = True
+    """With `compile_cache`: a start whose cache holds the record of an earlier warm-up of the same
+    graphs, code and environment captures each graph without checking and timing it again (each is
+    still checked on its first real pack); the first warm-up writes the record."""
     recurring_graphs: int = 16
     """Most graphs of recurring packs' exact layouts kept (least recently used evicted); 0: off."""
     recurring_after: int = 2

@@ -113,7 +113,12 @@ class EntryIO:
         """Copy a pack (its rows, or consecutive blocks of them) and its metadata (None: the
         entry's own, kept) into the entry's static inputs; padding rows are zeroed."""
         for name, host in (metadata or {}).items():
-            entry.inputs[name].copy_(host, non_blocking=True)
+            static = entry.inputs[name]
+            if static.is_cuda and not host.is_cuda and not host.is_pinned():
+                # a copy from pageable memory waits for the stream's earlier work (a graph's replay
+                # still running): page-locked, it is queued and the host goes on
+                host = host.pin_memory()
+            static.copy_(host, non_blocking=True)
         static = entry.inputs["pixel_values"]
         used = 0
         for block in [pixel_values] if isinstance(pixel_values, torch.Tensor) else pixel_values:

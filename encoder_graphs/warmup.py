@@ -32,6 +32,9 @@ from .references import References, SamplePack
 from .route_costs import attention_shapes
 from .selfcheck import DeviceTimer, best_ms, pack_error, sample_frame, synthetic_pixels, synthetic_specs
 from .table import input_specs
+from .warmup_record import WarmupRecord, code_digest, graph_times
+from .warmup_record import load as load_record
+from .warmup_record import save as save_record
 
 if TYPE_CHECKING:
     from .runner import EncoderRunner
@@ -66,6 +69,9 @@ class WarmupStatus:
     stage_seconds: dict[str, float]
     full_speed: bool
     """Every graph built or refused, every configured route live: nothing left to warm."""
+    from_record: bool = False
+    """Whether the graphs were captured on an earlier warm-up's record, without startup checks and
+    timings (each is still checked on its first real pack)."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -93,6 +99,8 @@ class WarmUp:
         self._upcoming: list[GraphKey] = []
         self._unchecked: _Check | None = None
         """The graph captured last, not yet checked: its checked run overlaps the next capture."""
+        self._record: WarmupRecord | None = None
+        """An earlier warm-up's checks and timings for this table (`warmup_record.py`), if used."""
 
     # ---- status ----
 
@@ -106,6 +114,7 @@ class WarmUp:
             None if self.exact_ok is None else self.runner.exact.live,
             dict(self.stage_seconds),
             self.full_speed,
+            self._record is not None,
         )
 
     def note_demand(self, budget: int, longest: int) -> None:
@@ -146,6 +155,12 @@ class WarmUp:
         """Every stage in turn until full speed, or until `stop` is set (between steps)."""
         runner = self.runner
         start = time.perf_counter()
+        self._record = self._load_record()
+        if self._record is not None:
+            progress(
+                f"warm-up record {runner.compile_cache.path}: graphs are captured on its checks and timings, "
+                "each still checked on its first real pack"
+            )
         stages = (
             ("costs", runner.use_graphs, self._measure_costs),
             ("compile", runner.forwards.compiled is not None, self._compile),
@@ -180,10 +195,40 @@ class WarmUp:
         )
         return status
 
+    def _load_record(self) -> WarmupRecord | None:
+        runner = self.runner
+        if not (runner.config.reuse_checks and runner.compile_cache is not None and self._checks):
+            return None
+        return load_record(
+            runner.compile_cache.path, runner.table.entries, code_digest(), runner.config.self_check_tolerance
+        )
+
+    def _save_record(self) -> None:
+        """Record this warm-up's checks and timings for later starts (only where it made them all)."""
+        runner = self.runner
+        if self._record is not None or runner.compile_cache is None or not self._checks:
+            return
+        exact_rows = runner.exact.min_rows if self.exact_ok else None
+        record = WarmupRecord(
+            graph_times(runner.table.entries),
+            dict(runner.costs.startup),
+            exact_rows,
+            code_digest(),
+            runner.config.self_check_tolerance,
+        )
+        logger.info("saved the warm-up record %s", save_record(runner.compile_cache.path, record))
+
+    def _recorded_ms(self, entry: GraphEntry) -> float | None:
+        """The entry's replay ms from the record (None: no record, or it refused the graph then)."""
+        return None if self._record is None else self._record.graphs.get(entry.key)
+
     def _measure_costs(self, progress: Progress, stop: threading.Event) -> None:
         """The uncompiled eager route timed on full packs of a few budgets: what plans compare
-        graphs with (its reference run, outside the lock, warms it)."""
+        graphs with (its reference run, outside the lock, warms it). From the record where used."""
         runner, encoder = self.runner, self.runner.encoder
+        if self._record is not None and "eager_ms" in self._record.costs:
+            runner.costs.set_startup("eager_ms", self._record.costs["eager_ms"])
+            return
         points = []
         for budget in sample_budgets(runner.table.budgets, COST_SAMPLES):
             if stop.is_set():
@@ -234,7 +279,7 @@ class WarmUp:
         done = 0
         if self._checks:
             with self.runner.device_lock:
-                pending = [e.key for e in table.entries.values() if e.state == PENDING]
+                pending = [e.key for e in table.entries.values() if e.state == PENDING and self._recorded_ms(e) is None]
             self.references.expect(self._sample_specs(key) for key in pending)
         while True:
             if stop.is_set():
@@ -303,9 +348,16 @@ class WarmUp:
         if compiled and runner.capture is None:
             self._warm_compiled(entry)
         check = None
-        if self._checks:
+        recorded = self._recorded_ms(entry)
+        if recorded is not None:  # checked and timed by an earlier warm-up: captured only
+            entry.replay_ms = recorded
+        elif self._checks:
             sample = self._sample_pack(entry.key)
-            upcoming = [self._sample_specs(key) for key in self._upcoming if key != entry.key]
+            upcoming = [
+                self._sample_specs(key)
+                for key in self._upcoming
+                if key != entry.key and self._recorded_ms(self.runner.table.entries[key]) is None
+            ]
             self.references.prepare([sample.specs, *upcoming[:UPCOMING_GRAPHS]])
             reference = self.references.reference(sample)
             metadata = runner.encoder.pack_metadata(sample.specs, entry.layout)
@@ -477,6 +529,11 @@ class WarmUp:
             logger.exception("compiling the exact-layout route failed; packs without a graph run uncompiled")
             return
         points = []
+        if self._record is not None and self._record.exact_min_rows is not None:
+            runner.exact.min_rows = self._record.exact_min_rows
+            runner.costs.set_startup("exact_ms", self._record.costs.get("exact_ms", ()))
+            self.exact_ok = True
+            return
         for budget in sample_budgets(runner.table.budgets, COST_SAMPLES):
             if stop.is_set():
                 return
@@ -515,6 +572,7 @@ class WarmUp:
             self.stage = "done"
         if runner.compile_cache is not None and runner.forwards.compiled is not None:
             runner.compile_cache.save()
+        self._save_record()
 
 
 @dataclass

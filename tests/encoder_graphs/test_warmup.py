@@ -279,11 +279,11 @@ class SettlingLock:
         self._lock.release()
 
 
-def pipelined_runner(encoder, capture: ReplayingCapture) -> EncoderRunner:
+def pipelined_runner(encoder, capture: ReplayingCapture, config: GraphConfig = SMALL_LADDER) -> EncoderRunner:
     """A runner whose warm-up checks graphs as on a GPU: each graph's checked run is launched
     before the next capture and read after it (the forward stands in for a compiled one, so that
-    graphs are checked on CPU)."""
-    runner = EncoderRunner(encoder, SMALL_LADDER, compiled_forward=encoder.forward_padded)
+    graphs are checked on CPU). `runner.launched`: the checked runs launched."""
+    runner = EncoderRunner(encoder, config, compiled_forward=encoder.forward_padded)
     runner.capture = capture
     forward_into = runner.io.forward_into
 
@@ -303,7 +303,8 @@ def pipelined_runner(encoder, capture: ReplayingCapture) -> EncoderRunner:
     runner.device_lock = SettlingLock(launched)
     runner.prepare(progress=lambda message: None)
     runner.warm_up(progress=lambda message: None)
-    assert launched and all(launch.passed is not None for launch in launched)
+    assert all(launch.passed is not None for launch in launched)
+    runner.launched = launched
     return runner
 
 
@@ -316,6 +317,7 @@ def test_each_graph_is_checked_on_its_own_rows_while_the_next_is_captured(qwen3)
     capture = ReplayingCapture(fail_once=[keys[1]])
     runner = pipelined_runner(encoder, capture)
     entries = runner.table.entries.values()
+    assert len(runner.launched) == len(keys)
     assert capture.warm_runs == 2 and runner.table.live_count() == len(keys)
     assert sorted(capture.captures) == sorted([*keys, keys[1]])  # each once, the failed one twice
     assert all(e.self_check_error <= 1e-4 for e in entries) and all(e.replay_ms >= 0 for e in entries)
@@ -331,3 +333,56 @@ def test_a_wrong_graph_fails_its_overlapped_check_and_only_it(qwen3):
     runner = pipelined_runner(encoder, ReplayingCapture(corrupt=[keys[2], keys[-1]]))
     assert {k for k, e in runner.table.entries.items() if not e.enabled} == {keys[2], keys[-1]}
     assert runner.warmup_status().full_speed
+
+
+def test_a_later_start_captures_on_the_warm_up_record_and_checks_each_graph_on_its_first_pack(
+    qwen3, tmp_path, monkeypatch
+):
+    """The first warm-up with a compile cache checks and times every graph and records it; a later
+    runner of the same graphs captures them without a checked run, takes the recorded times, and
+    checks each graph on its first real pack instead: a graph that went wrong in the later capture
+    is caught there, disabled, and its pack served eagerly, as transformers computes it."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    encoder, reference = qwen3
+    config = GraphConfig(max_budget_tokens=512, fine_budget_steps=1, compile_cache=str(tmp_path / "cache"))
+    first = pipelined_runner(encoder, ReplayingCapture(), config)
+    assert len(first.launched) == len(first.table.entries) and not first.warmup_status().from_record
+    times = {key: entry.replay_ms for key, entry in first.table.entries.items()}
+    assert (first.compile_cache.path / "warmup.json").is_file()
+
+    keys = sorted(times)
+    later = pipelined_runner(encoder, ReplayingCapture(corrupt=[keys[0]]), config)
+    status = later.warmup_status()
+    assert status.from_record and status.full_speed and later.launched == []
+    assert later.table.live_count() == len(keys)
+    assert {key: entry.replay_ms for key, entry in later.table.entries.items()} == times
+    served = 0
+    for seed, sizes in enumerate([[(64, 64)], [(200, 200)], [(300, 260), (120, 90)], [(64, 64)]]):
+        pixels, specs = images(encoder, seed, sizes)
+        assert_matches_reference(reference, pixels, specs, later.run(pixels, specs))
+        served += later.stats.last.graph
+    assert served and later.stats.first_pack_checks >= 1 and later.stats.first_pack_mismatches == 1
+    assert not later.table.entries[keys[0]].enabled
+
+
+def test_a_record_of_other_code_or_tolerance_is_not_used(qwen3, tmp_path, monkeypatch):
+    """A record names the code and check tolerance it was made with: under other code or another
+    tolerance (or with `reuse_checks` off) every graph is checked again."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    encoder, _ = qwen3
+    config = GraphConfig(max_budget_tokens=512, fine_budget_steps=1, compile_cache=str(tmp_path / "cache"))
+    first = pipelined_runner(encoder, ReplayingCapture(), config)
+    record = first.compile_cache.path / "warmup.json"
+    made = record.read_text()
+    checked = len(first.launched)
+
+    def launched_after_restoring(config) -> int:
+        record.write_text(made)
+        return len(pipelined_runner(encoder, ReplayingCapture(), config).launched)
+
+    assert launched_after_restoring(config) == 0
+    with monkeypatch.context() as patched:
+        patched.setattr("encoder_graphs.warmup.code_digest", lambda: "other code")
+        assert launched_after_restoring(config) == checked
+    assert launched_after_restoring(GraphConfig(**{**config.__dict__, "self_check_tolerance": 0.1})) == checked
+    assert launched_after_restoring(GraphConfig(**{**config.__dict__, "reuse_checks": False})) == checked
