@@ -8,7 +8,9 @@ compiled exact route) in the foreground; the warm-up saves the compiled artifact
 `graphs.compile_cache` (or `--dir`) in a subdirectory keyed by model, layouts, torch, Triton and
 GPU (`encoder_graphs/compile_cache.py`). Run it on the GPU type that will serve, with
 `graphs.compile: true`; replicas started afterwards with the same config and directory find the
-artifacts. Running it again after a cache hit only re-saves if something new was compiled.
+artifacts, and the warm-up record beside them (`encoder_graphs/warmup_record.py`: each graph's
+check and time), so they capture without checking each graph again. Running it again after a
+cache hit only re-saves if something new was compiled.
 """
 
 from __future__ import annotations

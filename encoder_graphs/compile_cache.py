@@ -10,6 +10,7 @@ dynamic-shape setting, torch, Triton, CUDA and the GPU) holds:
   every compile of a `dynamic=True` forward that matches into a cache hit: dynamo still traces,
   inductor and Triton do not run. Saved at the end of the warm-up when this process compiled
   something the file lacked.
+- `warmup.json`: the warm-up record (`warmup_record.py`): each graph's check and replay time.
 - `triton/`: `TRITON_CACHE_DIR` (unless already set) for the Triton kernels launched inside our
   opaque custom ops (the varlen attention kernel), which inductor's artifacts do not cover.
 
