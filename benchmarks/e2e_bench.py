@@ -450,9 +450,7 @@ def _measure_interface(args, name, interface, how, requests, concurrencies, rows
     key = (interface, how[:3], id(requests))  # client processes per interface and workload (kept alive by the pool)
     if how[0] in ("handles", "http") and key not in pools:
         if how[0] == "handles":
-            pools[key] = ClientPool(
-                _handle_setup, (how[1], how[2], requests), how[3], requests, args.client_niceness
-            )
+            pools[key] = ClientPool(_handle_setup, (how[1], how[2], requests), how[3], requests, args.client_niceness)
         else:
             bodies = [http_body(r, how[2], name == "ours") for r in requests]
             processes = min(args.http_processes, max(concurrencies))
