@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -330,3 +331,41 @@ def test_a_capture_that_fails_without_a_warm_run_is_tried_again_after_one(encode
     assert runner.stats.last.graph and runner.stats.last.budget == 64
     for ours, theirs in item_errors(references, pixels, specs, outputs):
         assert ours <= 1.5 * theirs + 1e-3
+
+
+def test_packs_served_during_a_background_warm_up_and_after_a_start_on_its_record_match_transformers(
+    encoder, references, tmp_path, monkeypatch
+):
+    """Packs served while the warm-up runs in a background thread (eagerly, then on each graph as
+    it goes live) agree with transformers as its own bf16 does. The warm-up records its checks; a
+    second runner of the same graphs captures them on that record without a checked run, and its
+    packs (each graph's first one checked against eager) agree too."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    config = GraphConfig(max_budget_tokens=1024, compile_cache=str(tmp_path / "cache"))
+    pre, rng = encoder.preprocessor, np.random.default_rng(7)
+    packs = []
+    for sizes in ([(224, 224)], [(300, 500)] * 3, [(64, 64)] * 12, [(448, 448), (200, 120)]):
+        resized = [pre.resize_image(random_image(rng, h, w)) for h, w in sizes]
+        specs = [pre.spec("image", 1, *r.shape[-2:]) for r in resized]
+        pixels = pre.pixel_values(resized, "image", device="cuda").to(encoder.dtype)
+        packs.append((pixels, specs))
+    for later in (False, True):
+        runner = EncoderRunner(encoder, config)
+        runner.prepare(progress=lambda message: None)
+        thread = threading.Thread(target=runner.warm_up, kwargs={"progress": lambda message: None}, daemon=True)
+        thread.start()
+        served = during = 0
+        while thread.is_alive() or served < 2 * len(packs):
+            pixels, specs = packs[served % len(packs)]
+            with runner.device_lock:
+                warming = not runner.warmup_status().full_speed
+                outputs = runner.run(pixels, specs)
+            for ours, theirs in item_errors(references, pixels, specs, outputs):
+                assert ours <= 1.5 * theirs + 1e-3, (later, [s.grid_thw for s in specs], ours, theirs)
+            served, during = served + 1, during + warming
+        thread.join()
+        status = runner.warmup_status()
+        assert during and status.full_speed and status.graphs_live == status.graphs_total
+        assert status.from_record == later and runner.stats.first_pack_mismatches == 0
+        assert runner.stats.first_pack_checks > 0 and sum(runner.stats.graph_hits.values()) > 0
+    assert (runner.compile_cache.path / "warmup.json").is_file()
