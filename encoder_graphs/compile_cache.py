@@ -10,7 +10,8 @@ dynamic-shape setting, torch, Triton, CUDA and the GPU) holds:
   every compile of a `dynamic=True` forward that matches into a cache hit: dynamo still traces,
   inductor and Triton do not run. Saved at the end of the warm-up when this process compiled
   something the file lacked.
-- `warmup.json`: the warm-up record (`warmup_record.py`): each graph's check and replay time.
+- `warmup-<fingerprint>.json`: the warm-up record (`warmup_record.py`): each graph's check and
+  replay time, one file per code version and check settings.
 - `triton/`: `TRITON_CACHE_DIR` (unless already set) for the Triton kernels launched inside our
   opaque custom ops (the varlen attention kernel), which inductor's artifacts do not cover.
 
@@ -24,6 +25,7 @@ serve (the key includes the GPU): `python -m deployments.compile_cache --config 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -106,15 +108,22 @@ class CompileCache:
 
     def save(self) -> bool:
         """Save this process's artifacts when the file is missing or this process compiled
-        something anew since `load`; atomic (temporary file, then rename)."""
+        something anew since `load`; atomic (temporary file, then rename). False where nothing was
+        saved (a storage error is logged)."""
         if self.artifacts.is_file() and self._misses_at_load is not None and _misses() == self._misses_at_load:
             return False
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
             return False
-        self.path.mkdir(parents=True, exist_ok=True)
         temporary = self.path / f".{ARTIFACTS}.{os.getpid()}.{uuid.uuid4().hex}"
-        temporary.write_bytes(saved[0])
-        os.replace(temporary, self.artifacts)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            temporary.write_bytes(saved[0])
+            os.replace(temporary, self.artifacts)
+        except OSError as error:  # read-only or full storage: the replica serves on without it
+            logger.warning("compiled artifacts not saved to %s: %s", self.artifacts, error)
+            with contextlib.suppress(OSError):
+                temporary.unlink(missing_ok=True)
+            return False
         logger.info("saved %d bytes of compiled artifacts to %s", len(saved[0]), self.artifacts)
         return True

@@ -55,8 +55,9 @@ class GraphConfig:
     cuda_graphs: bool = True
     """Capture CUDA graphs (CUDA only; on CPU packs run padded without graphs)."""
     self_check: bool = True
-    """Check each graph once against the eager path when it is built, and again on the first real
-    pack it serves; a graph that disagrees is disabled and its pack served eagerly."""
+    """Check each graph once against the eager path when it is built (unless a record of an earlier
+    warm-up's checks is used: `reuse_checks`), and again on the first real pack it serves; a graph
+    that disagrees is disabled and its pack served eagerly."""
     self_check_tolerance: float = 0.05
     """Largest relative error (max abs diff / max abs value) a graph may show against eager."""
     memory_fraction: float = 0.8
@@ -75,8 +76,9 @@ class GraphConfig:
     Null: no cache beyond torch's local one."""
     reuse_checks: bool = True
     """With `compile_cache`: a start whose cache holds the record of an earlier warm-up of the same
-    graphs, code and environment captures each graph without checking and timing it again (each is
-    still checked on its first real pack); the first warm-up writes the record."""
+    graphs, code, settings and environment captures each graph without checking and timing it again
+    (each is still checked on its first real pack; a mismatch there removes the record); the first
+    warm-up writes the record."""
     recurring_graphs: int = 16
     """Most graphs of recurring packs' exact layouts kept (least recently used evicted); 0: off."""
     recurring_after: int = 2

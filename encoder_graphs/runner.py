@@ -310,6 +310,8 @@ class EncoderRunner:
             return None
         self.stats.first_pack_mismatches += 1
         self._disable(entry, f"first pack error {error:.3g} > {self.config.self_check_tolerance}")
+        if not entry.recurring:
+            self.warmup.record_failed(entry)
         return eager
 
     def _disable(self, entry: GraphEntry, why: str) -> None:

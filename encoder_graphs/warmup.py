@@ -1,7 +1,8 @@
 """Startup in two parts (`WarmUp`): `prepare`, synchronous and seconds long, after which every pack
 runs eagerly on its exact layout; then `run`, meant for a background thread: startup costs, the
-compile, each graph built, checked and switched live one at a time (the traffic's budgets first),
-the compiled exact route, and full speed.
+compile, each graph built, checked (or captured on an earlier warm-up's record of its check,
+`warmup_record.py`) and switched live one at a time (the traffic's budgets first), the compiled
+exact route, and full speed.
 
 Threading invariant: a graph is captured only while holding the runner's `device_lock`, which
 every pack (and the replica's device-side preprocessing) also holds, and until the warm-up ends
@@ -32,7 +33,7 @@ from .references import References, SamplePack
 from .route_costs import attention_shapes
 from .selfcheck import DeviceTimer, best_ms, pack_error, sample_frame, synthetic_pixels, synthetic_specs
 from .table import input_specs
-from .warmup_record import WarmupRecord, code_digest, graph_times
+from .warmup_record import WarmupRecord, fingerprint, forget, graph_times
 from .warmup_record import load as load_record
 from .warmup_record import save as save_record
 
@@ -195,28 +196,42 @@ class WarmUp:
         )
         return status
 
+    def _fingerprint(self) -> str | None:
+        """What a record must have been made with, besides the compile cache key (model, layouts,
+        environment): our code, the check tolerance, the forward compiled or not."""
+        runner = self.runner
+        return fingerprint(
+            {"tolerance": runner.config.self_check_tolerance, "compiled": runner.forwards.compiled is not None}
+        )
+
     def _load_record(self) -> WarmupRecord | None:
         runner = self.runner
         if not (runner.config.reuse_checks and runner.compile_cache is not None and self._checks):
             return None
-        return load_record(
-            runner.compile_cache.path, runner.table.entries, code_digest(), runner.config.self_check_tolerance
-        )
+        found = self._fingerprint()
+        return None if found is None else load_record(runner.compile_cache.path, runner.table.entries, found)
 
     def _save_record(self) -> None:
         """Record this warm-up's checks and timings for later starts (only where it made them all)."""
         runner = self.runner
         if self._record is not None or runner.compile_cache is None or not self._checks:
             return
+        found = self._fingerprint() if runner.config.reuse_checks else None
+        if found is None:
+            return
         exact_rows = runner.exact.min_rows if self.exact_ok else None
-        record = WarmupRecord(
-            graph_times(runner.table.entries),
-            dict(runner.costs.startup),
-            exact_rows,
-            code_digest(),
-            runner.config.self_check_tolerance,
-        )
-        logger.info("saved the warm-up record %s", save_record(runner.compile_cache.path, record))
+        record = WarmupRecord(graph_times(runner.table.entries), dict(runner.costs.startup), exact_rows, found)
+        saved = save_record(runner.compile_cache.path, record)
+        if saved is not None:
+            logger.info("saved the warm-up record %s", saved)
+
+    def record_failed(self, entry: GraphEntry) -> None:
+        """A graph captured on the record failed its first-pack check: the record goes, and the
+        next start checks every graph again."""
+        record = self._record
+        if record is not None and record.graphs.get(entry.key) is not None:
+            logger.warning("graph %s, captured on the warm-up record, failed its first pack: record removed", entry.key)
+            forget(self.runner.compile_cache.path, record.fingerprint)
 
     def _recorded_ms(self, entry: GraphEntry) -> float | None:
         """The entry's replay ms from the record (None: no record, or it refused the graph then)."""
@@ -342,7 +357,9 @@ class WarmUp:
         under the next step's lock, before that step's capture, and read after it: the GPU
         replays one graph while the host captures the next. The compiled forward runs on the
         entry's layout outside the lock first only where it must: without graphs (the check
-        calls it under the lock), or where the capture found it would compile (then captured again)."""
+        calls it under the lock), or where the capture found it would compile (then captured again).
+        On the record a graph is captured and goes live unchecked, its time the record's: its first
+        real pack is its check."""
         runner = self.runner
         compiled = runner.forwards.compiled is not None
         if compiled and runner.capture is None:
@@ -361,6 +378,8 @@ class WarmUp:
             self.references.prepare([sample.specs, *upcoming[:UPCOMING_GRAPHS]])
             reference = self.references.reference(sample)
             metadata = runner.encoder.pack_metadata(sample.specs, entry.layout)
+            if runner.use_graphs:  # page-locked once: launched again when retimed
+                metadata = {name: host.pin_memory() for name, host in metadata.items()}
             check = _Check(entry, sample.pixels, sample.specs, metadata, reference)
         for may_warm in (compiled and runner.capture is not None, False):
             with runner.device_lock:
@@ -402,7 +421,8 @@ class WarmUp:
         initialisation never happens inside one; here only the first capture into the pool and
         a capture tried again take one (after the first, one per graph cost as much as the
         capture itself). A capture that fails without one is tried once more after one; the
-        check after every capture catches a graph that went wrong. A warm run writes the shared
+        check after every capture (on the record: its first real pack's) catches a graph that
+        went wrong. A warm run writes the shared
         outputs, so the `earlier` graph's checked run is read first."""
         runner = self.runner
         io, capture = runner.io, runner.capture
@@ -519,7 +539,8 @@ class WarmUp:
         return self.references.pack(self._sample_specs(key))
 
     def _compile_exact(self, progress: Progress, stop: threading.Event) -> None:
-        """Compile the exact route, check it against eager at a few budgets and time it there.
+        """Compile the exact route, check it against eager at a few budgets and time it there (on
+        the record: checked at the first of them it runs, its times and smallest pack the record's).
         An error or a mismatch leaves it off: an optimisation, the runner serves without it."""
         runner, encoder = self.runner, self.runner.encoder
         self.exact_ok = False
@@ -528,13 +549,10 @@ class WarmUp:
         except Exception:
             logger.exception("compiling the exact-layout route failed; packs without a graph run uncompiled")
             return
+        recorded = self._record is not None and self._record.exact_min_rows is not None
+        budgets = sample_budgets(runner.table.budgets, COST_SAMPLES)
         points = []
-        if self._record is not None and self._record.exact_min_rows is not None:
-            runner.exact.min_rows = self._record.exact_min_rows
-            runner.costs.set_startup("exact_ms", self._record.costs.get("exact_ms", ()))
-            self.exact_ok = True
-            return
-        for budget in sample_budgets(runner.table.budgets, COST_SAMPLES):
+        for budget in budgets:
             if stop.is_set():
                 return
             specs = self._sample_specs(runner.table.by_budget[budget][0].key)
@@ -549,10 +567,15 @@ class WarmUp:
                 return
             runner.costs.mark_run(attention_shapes(equal))
             runner.exact.min_rows = min(runner.exact.min_rows, sum(s.input_patches for s in equal))
+            if recorded:  # one check passed: its times are the record's
+                break
             if runner.use_graphs:
                 with runner.device_lock:
                     ms = best_ms(lambda: runner.exact.run_compiled(pixels, equal), encoder.device)
                 points.append((sum(s.output_tokens for s in equal), ms))
+        if recorded:
+            runner.exact.min_rows = self._record.exact_min_rows
+            points = list(self._record.costs.get("exact_ms", ()))
         runner.costs.set_startup("exact_ms", points)
         self.exact_ok = True
 

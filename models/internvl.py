@@ -22,6 +22,7 @@ from contextlib import AbstractContextManager
 from typing import ClassVar
 
 import torch
+import transformers
 from transformers import InternVLConfig, InternVLForConditionalGeneration
 from transformers.models.got_ocr2.image_processing_got_ocr2 import GotOcr2ImageProcessor
 from transformers.models.internvl.modeling_internvl import InternVLModel
@@ -186,6 +187,7 @@ class InternVLEncoder:
             "tower_config": config,
             "attention": "sdpa",
             "dtype": str(self.dtype).removeprefix("torch."),
+            "transformers": transformers.__version__,  # the tower's forward is its modelling code
         }
 
     # ---- layouts and metadata ----

@@ -24,6 +24,7 @@ from typing import ClassVar
 
 import numpy as np
 import torch
+import transformers
 from transformers.activations import GELUTanh
 from transformers.vision_utils import get_vision_position_ids
 
@@ -325,6 +326,7 @@ class QwenVisionEncoder:
             "tower_config": config,
             "attention": self.attention.implementation,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "transformers": transformers.__version__,  # the tower's forward is its modelling code
         }
 
     def compiled_forward(self, compile: Callable[[Callable], Callable]) -> Callable[..., EncoderOutput]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import json
+import math
 import threading
 import time
 
@@ -335,54 +337,82 @@ def test_a_wrong_graph_fails_its_overlapped_check_and_only_it(qwen3):
     assert runner.warmup_status().full_speed
 
 
+def only_record(runner):
+    """The one warm-up record in the runner's compile cache directory."""
+    (record,) = runner.compile_cache.path.glob("warmup-*.json")
+    return record
+
+
 def test_a_later_start_captures_on_the_warm_up_record_and_checks_each_graph_on_its_first_pack(
     qwen3, tmp_path, monkeypatch
 ):
     """The first warm-up with a compile cache checks and times every graph and records it; a later
-    runner of the same graphs captures them without a checked run, takes the recorded times, and
-    checks each graph on its first real pack instead: a graph that went wrong in the later capture
-    is caught there, disabled, and its pack served eagerly, as transformers computes it."""
+    runner of the same graphs captures them without a checked run, takes the recorded times and
+    the exact route's smallest pack, and checks each graph on its first real pack instead: a graph
+    that went wrong in the later capture is caught there, disabled, its pack served eagerly, as
+    transformers computes it, and the record removed."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     encoder, reference = qwen3
     config = GraphConfig(max_budget_tokens=512, fine_budget_steps=1, compile_cache=str(tmp_path / "cache"))
     first = pipelined_runner(encoder, ReplayingCapture(), config)
     assert len(first.launched) == len(first.table.entries) and not first.warmup_status().from_record
     times = {key: entry.replay_ms for key, entry in first.table.entries.items()}
-    assert (first.compile_cache.path / "warmup.json").is_file()
+    record = only_record(first)
 
     keys = sorted(times)
     later = pipelined_runner(encoder, ReplayingCapture(corrupt=[keys[0]]), config)
     status = later.warmup_status()
     assert status.from_record and status.full_speed and later.launched == []
     assert later.table.live_count() == len(keys)
+    assert all(math.isnan(entry.self_check_error) for entry in later.table.entries.values())  # none checked
     assert {key: entry.replay_ms for key, entry in later.table.entries.items()} == times
+    assert later.exact.live and later.exact.min_rows == first.exact.min_rows
     served = 0
-    for seed, sizes in enumerate([[(64, 64)], [(200, 200)], [(300, 260), (120, 90)], [(64, 64)]]):
+    for seed, sizes in enumerate([[(200, 200)], [(300, 260), (120, 90)], [(64, 64)], [(64, 64)]]):
         pixels, specs = images(encoder, seed, sizes)
         assert_matches_reference(reference, pixels, specs, later.run(pixels, specs))
         served += later.stats.last.graph
+        assert record.exists() == (later.stats.first_pack_mismatches == 0)
     assert served and later.stats.first_pack_checks >= 1 and later.stats.first_pack_mismatches == 1
-    assert not later.table.entries[keys[0]].enabled
+    assert not later.table.entries[keys[0]].enabled and not record.exists()
 
 
-def test_a_record_of_other_code_or_tolerance_is_not_used(qwen3, tmp_path, monkeypatch):
-    """A record names the code and check tolerance it was made with: under other code or another
-    tolerance (or with `reuse_checks` off) every graph is checked again."""
+def test_a_record_is_used_only_for_its_own_code_and_settings_and_what_it_refused_is_checked(
+    qwen3, tmp_path, monkeypatch
+):
+    """Under other code, another tolerance, with `reuse_checks` off or an unreadable record, every
+    graph is checked again; a graph the record has as refused is checked, and an exact route it
+    has as refused is checked at every budget as on a first start."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     encoder, _ = qwen3
     config = GraphConfig(max_budget_tokens=512, fine_budget_steps=1, compile_cache=str(tmp_path / "cache"))
     first = pipelined_runner(encoder, ReplayingCapture(), config)
-    record = first.compile_cache.path / "warmup.json"
-    made = record.read_text()
+    record = only_record(first)
+    made = json.loads(record.read_text())
     checked = len(first.launched)
 
-    def launched_after_restoring(config) -> int:
-        record.write_text(made)
+    def launched_after_writing(config, blob=made) -> int:
+        record.write_text(blob if isinstance(blob, str) else json.dumps(blob))
         return len(pipelined_runner(encoder, ReplayingCapture(), config).launched)
 
-    assert launched_after_restoring(config) == 0
+    assert launched_after_writing(config) == 0
     with monkeypatch.context() as patched:
-        patched.setattr("encoder_graphs.warmup.code_digest", lambda: "other code")
-        assert launched_after_restoring(config) == checked
-    assert launched_after_restoring(GraphConfig(**{**config.__dict__, "self_check_tolerance": 0.1})) == checked
-    assert launched_after_restoring(GraphConfig(**{**config.__dict__, "reuse_checks": False})) == checked
+        patched.setattr("encoder_graphs.warmup.fingerprint", lambda settings: "other")
+        assert launched_after_writing(config) == checked
+    assert launched_after_writing(GraphConfig(**{**config.__dict__, "self_check_tolerance": 0.1})) == checked
+    assert launched_after_writing(GraphConfig(**{**config.__dict__, "reuse_checks": False})) == checked
+    for unreadable in ("[]", "not json", json.dumps({**made, "costs": []})):
+        assert launched_after_writing(config, unreadable) == checked
+    refused = {**made, "graphs": [[b, s, None if i == 1 else ms] for i, (b, s, ms) in enumerate(made["graphs"])]}
+    assert launched_after_writing(config, refused) == 1
+
+    from encoder_graphs.exact_route import ExactRoute
+
+    exact_runs = []
+    run_compiled = ExactRoute.run_compiled
+    monkeypatch.setattr(ExactRoute, "run_compiled", lambda *a: exact_runs.append(1) or run_compiled(*a))
+    launched_after_writing(config)
+    on_record = len(exact_runs)
+    exact_runs.clear()
+    launched_after_writing(config, {**made, "exact_min_rows": None})
+    assert 1 == on_record < len(exact_runs)
