@@ -106,7 +106,8 @@ def draft_for(image: Image.Image, target: tuple[int, int]) -> None:
 def to_rgb_array(image: Image.Image, index: int) -> np.ndarray:
     """Decode to `[H, W, 3]` uint8 RGB: first frame, EXIF-rotated, alpha on white, 16-bit scaled to 8."""
     try:
-        image.seek(0)
+        if getattr(image, "fp", None) is not None:  # a file still open: its first frame
+            image.seek(0)  # (one unpickled from a handle call holds only its pixels, no file to seek)
         image = ImageOps.exif_transpose(image)
         if image.mode in SIXTEEN_BIT_MODES:
             array = np.asarray(image, dtype=np.uint32)

@@ -215,13 +215,16 @@ def test_python_handle_takes_pil_bytes_and_video_frames(app, url, reference):
     pil = pattern(200, 100, seed=3)
     png = image_file(pattern(120, 260, seed=4), "PNG")
     frames = [image_file(pattern(96, 96, seed=s), "PNG") for s in range(4)]
+    opened_png = image_file(pattern(150, 90, seed=5), "PNG")  # as a caller opens a file: lazily, pickled unread
+    opened = Image.open(io.BytesIO(opened_png))
     handle = serve.get_app_handle(app.name)
-    results = handle.encode.remote([pil, png, {"type": "video", "frames": frames}]).result()
-    assert [r.modality for r in results] == ["image", "image", "video"]
+    results = handle.encode.remote([pil, png, {"type": "video", "frames": frames}, opened]).result()
+    assert [r.modality for r in results] == ["image", "image", "video", "image"]
     expected = [
         reference_image(encoder, tower, image_file(pil, "PNG")),
         reference_image(encoder, tower, png),
         reference_video(encoder, tower, frames),
+        reference_image(encoder, tower, opened_png),
     ]
     for result, (tokens, deepstack, grid) in zip(results, expected):
         assert list(result.grid_thw) == grid
