@@ -71,6 +71,23 @@ def cache_key(identity: Mapping[str, object], layouts: Mapping[str, object], env
     return f"{family}-{hashlib.sha256(blob.encode()).hexdigest()[:20]}"
 
 
+def write_atomically(path: Path, data: bytes) -> bool:
+    """Write `path` through a temporary file renamed over it (`os.replace` is atomic), so that
+    concurrent replicas never read half a file; False where storage refused (read-only, full:
+    logged, and the replica serves on without it)."""
+    temporary = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary.write_bytes(data)
+        os.replace(temporary, path)
+    except OSError as error:
+        logger.warning("%s not saved: %s", path, error)
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        return False
+    return True
+
+
 def _misses() -> int:
     from torch._dynamo.utils import counters
 
@@ -115,15 +132,7 @@ class CompileCache:
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
             return False
-        temporary = self.path / f".{ARTIFACTS}.{os.getpid()}.{uuid.uuid4().hex}"
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            temporary.write_bytes(saved[0])
-            os.replace(temporary, self.artifacts)
-        except OSError as error:  # read-only or full storage: the replica serves on without it
-            logger.warning("compiled artifacts not saved to %s: %s", self.artifacts, error)
-            with contextlib.suppress(OSError):
-                temporary.unlink(missing_ok=True)
+        if not write_atomically(self.artifacts, saved[0]):
             return False
         logger.info("saved %d bytes of compiled artifacts to %s", len(saved[0]), self.artifacts)
         return True

@@ -378,8 +378,6 @@ class WarmUp:
             self.references.prepare([sample.specs, *upcoming[:UPCOMING_GRAPHS]])
             reference = self.references.reference(sample)
             metadata = runner.encoder.pack_metadata(sample.specs, entry.layout)
-            if runner.use_graphs:  # page-locked once: launched again when retimed
-                metadata = {name: host.pin_memory() for name, host in metadata.items()}
             check = _Check(entry, sample.pixels, sample.specs, metadata, reference)
         for may_warm in (compiled and runner.capture is not None, False):
             with runner.device_lock:

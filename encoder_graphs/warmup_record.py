@@ -7,16 +7,14 @@ serves, and a mismatch there removes the record."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import os
-import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .compile_cache import write_atomically
 from .entry import GraphKey
 
 logger = logging.getLogger(__name__)
@@ -33,8 +31,8 @@ def record_name(fingerprint: str) -> str:
 
 def fingerprint(settings: Mapping[str, object], roots: Iterable[Path] | None = None) -> str | None:
     """A digest of the Python sources of `PACKAGES` (default: the installed ones) and of `settings`
-    (what else the checks depend on: the tolerance, whether the forward is compiled, transformers'
-    version). None where no source is found (installed without sources): a record is then neither
+    (what else the checks depend on besides the compile cache key: the tolerance, whether the
+    forward is compiled). None where no source is found (installed without sources): a record is then neither
     used nor written."""
     if roots is None:
         here = Path(__file__).resolve().parent
@@ -103,20 +101,10 @@ def load(directory: Path, keys: Iterable[GraphKey], fingerprint: str) -> WarmupR
 
 
 def save(directory: Path, record: WarmupRecord) -> Path | None:
-    """Write `record` atomically (a temporary file renamed over the old one); None where it could
-    not be written (logged: the warm-up goes on without)."""
-    directory = Path(directory)
-    temporary = directory / f".{record_name(record.fingerprint)}.{os.getpid()}.{uuid.uuid4().hex}"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        temporary.write_text(record.to_json())
-        os.replace(temporary, directory / record_name(record.fingerprint))
-    except OSError as error:
-        logger.warning("warm-up record not saved in %s: %s", directory, error)
-        with contextlib.suppress(OSError):
-            temporary.unlink(missing_ok=True)
-        return None
-    return directory / record_name(record.fingerprint)
+    """Write `record` atomically; None where it could not be written (logged: the warm-up goes on
+    without)."""
+    path = Path(directory) / record_name(record.fingerprint)
+    return path if write_atomically(path, record.to_json().encode()) else None
 
 
 def forget(directory: Path, fingerprint: str) -> None:

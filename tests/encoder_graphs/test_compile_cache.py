@@ -82,3 +82,15 @@ def test_a_second_process_loads_what_the_first_compiled(tmp_path):
     loaded, hits, misses, saved = compile_in_fresh_process(tmp_path / "shared", tmp_path / "local2")
     assert int(loaded) > 0 and (hits, misses, saved) == ("1", "0", "False")
     assert not [p for p in (tmp_path / "shared" / "key").iterdir() if p.name.startswith(".")]  # no temporaries left
+
+
+def test_artifacts_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Saved through a temporary file renamed over the old one; where storage refuses (here the
+    root is a file), nothing is saved, nothing is left behind, and the warm-up goes on."""
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"compiled", None))
+    cache = CompileCache(tmp_path / "root", "k")
+    assert cache.save() and cache.artifacts.read_bytes() == b"compiled"
+    assert list(cache.path.iterdir()) == [cache.artifacts]
+    (tmp_path / "file").write_text("")
+    assert not CompileCache(tmp_path / "file", "k").save()
+    assert (tmp_path / "file").read_text() == ""
