@@ -20,6 +20,7 @@ from starlette.responses import Response
 
 from deployments.responses import encode_response_json
 from deployments.results import EncodeResult
+from deployments.wire import item_to_wire
 from models import from_preset, load_preprocessor, transformers_tower
 from models.protocol import ItemOutput
 
@@ -93,8 +94,8 @@ class PlainTower(TowerReplica):
         items = self.items_from_json(await request.json())
         return self.respond(await asyncio.to_thread(self.run, items))
 
-    async def encode(self, items: list) -> list[ItemOutput]:
-        return [r._output for r in await asyncio.to_thread(self.run, items)]
+    async def encode(self, items: list) -> list[dict]:
+        return [item_to_wire(r._output) for r in await asyncio.to_thread(self.run, items)]
 
 
 @serve.deployment(max_ongoing_requests=256)
@@ -118,5 +119,5 @@ class BatchedTower(TowerReplica):
         items = self.items_from_json(await request.json())
         return self.respond(await self._batch(items))
 
-    async def encode(self, items: list) -> list[ItemOutput]:
-        return [r._output for r in await self._batch(items)]
+    async def encode(self, items: list) -> list[dict]:
+        return [item_to_wire(r._output) for r in await self._batch(items)]

@@ -565,8 +565,9 @@ def first_answer(url: str, body: bytes, timeout_s: float, alive: Callable[[], No
 def full_speed(
     url: str, model_id: str, timeout_s: float, alive: Callable[[], None], replicas: int | None = None
 ) -> tuple[float, dict]:
-    """When the encoder replica that answers reports every graph live (with `replicas`: when
-    Serve runs exactly that many and each reports it); returns that time and that replica's description."""
+    """When an encoder replica reports every graph live (with `replicas`: when Serve runs exactly
+    that many and each reports it), as the public `/v1/models/{id}` shows; returns that time and
+    that replica's warm-up (its stages' seconds, imports and Serve's setup before its constructor)."""
     import httpx
 
     start = time.monotonic()
@@ -574,12 +575,9 @@ def full_speed(
         alive()
         try:
             encoder = httpx.get(f"{url}/v1/models/{model_id}", timeout=10).json()["encoder"]
-            replica, each = encoder["replica"], encoder.get("replica_warmup", {}).values()
-            if replica.get("warmup", {}).get("full_speed") and (
-                replicas is None
-                or (encoder["replicas"] == {"RUNNING": replicas} and sum(w["full_speed"] for w in each) == replicas)
-            ):
-                return time.monotonic(), replica
+            fast = [w for w in encoder.get("replica_warmup", {}).values() if w["full_speed"]]
+            if fast and (replicas is None or (encoder["replicas"] == {"RUNNING": replicas} and len(fast) == replicas)):
+                return time.monotonic(), fast[0]
         except Exception:  # noqa: BLE001 - not up yet
             pass
         time.sleep(1)
@@ -609,7 +607,7 @@ def start_service(args, config_path: Path, out: Path, tag: str, replicas: int | 
         # durations, unlike the times since launch above: the answering replica's imports, Serve's
         # setup, and its worker process's age, before its constructor
         "encoder_before_constructor": replica.get("before_constructor"),
-        "replica_warmup": replica["warmup"],
+        "replica_warmup": replica,
     }
     print(f"startup ({tag}): {json.dumps({k: v for k, v in startup.items() if k != 'replica_warmup'})}", flush=True)
     return service, {"url": url, "app": app["name"], "model_id": model_id, **startup}
@@ -653,14 +651,11 @@ def compare_handle_and_http(handle, url: str, requests: list[list]) -> float:
     return worst
 
 
-def counters(url: str) -> dict:
+def counters(handle) -> dict:
     """The service's cumulative pack and forward counters (one router's, one replica's description,
-    every replica's work report), as `/v1/models/{id}` reports them."""
-    import httpx
-
+    every replica's work report), as the router's `detail()` reports them to operators."""
     try:
-        model_id = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        detail = httpx.get(f"{url}/v1/models/{model_id}", timeout=30).json()["encoder"]
+        detail = handle.detail.remote().result(timeout_s=30)["encoder"]
     except Exception as error:  # noqa: BLE001 - a benchmark keeps going without them
         return {"error": repr(error)}
     router, replica = detail["router"], detail["replica"]
@@ -796,7 +791,7 @@ def run_ours(args, requests: list[list]) -> list[Path]:
 
             def snapshot() -> dict:
                 probes = occurrences(service.log.read_text(errors="replace"), SLOW_PROBE)
-                return {**counters(url), "slow_queue_probes": probes}
+                return {**counters(handle), "slow_queue_probes": probes}
 
             levels = callers(args, replicas)
             measure(args, "ours", chosen, requests, levels, record["mixed"], record, snapshot, pools)
@@ -804,9 +799,7 @@ def run_ours(args, requests: list[list]) -> list[Path]:
             if index == kill_at:
                 record["failover"] = failover(args, call, requests, service, startup["app"])
                 record.save()
-            import httpx
-
-            detail = httpx.get(f"{url}/v1/models/{startup['model_id']}", timeout=30).json()["encoder"]
+            detail = handle.detail.remote().result(timeout_s=30)["encoder"]
             record["router"], record["replica"] = detail["router"], detail["replica"]
             record["complete"] = not args.restart
             record.save()
@@ -873,7 +866,7 @@ def run_baseline(args, name: str, requests: list[list], record: Record) -> None:
         handle = serve.run(app, name=name, route_prefix=f"/{name}")
 
         async def call(items: list) -> int:
-            return sum(int(o.tokens.shape[0]) for o in await handle.encode.remote(items))
+            return sum(int(o["tokens"].shape[0]) for o in await handle.encode.remote(items))
 
         url = f"http://127.0.0.1:{args.baseline_port}/{name}"
         interfaces = {"handle": ("handle", call), "json": ("http", url, "base64")}

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.environment import environment  # noqa: E402
+from deployments.wire import item_nbytes, item_to_wire  # noqa: E402
 from models.protocol import ItemOutput  # noqa: E402
 
 HIDDEN, DEEPSTACK = 4096, 3
@@ -44,7 +45,7 @@ class Encoder:
                 torch.randn(tokens, HIDDEN, dtype=torch.bfloat16),
                 torch.randn(DEEPSTACK, tokens, HIDDEN, dtype=torch.bfloat16),
             )
-        item = self.items[tokens]
+        item = item_to_wire(self.items[tokens])
         return [ray.put(item)] if as_ref else [item]
 
 
@@ -52,7 +53,7 @@ class Encoder:
 class LLM:
     async def receive(self, payload, start: float) -> dict:
         item = await payload[0] if isinstance(payload[0], ray.ObjectRef) else payload[0]
-        moved = item.nbytes
+        moved = item_nbytes(item)
         return {"bytes": moved, "ms": (time.perf_counter() - start) * 1e3}
 
 

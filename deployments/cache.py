@@ -1,8 +1,9 @@
 """Embedding cache (LRU, bounded in bytes) and in-flight dedup of identical items.
 
 The key is a content hash of the decoded, resized pixels (what the tower actually sees),
-their shape and modality, and the model id: two files that decode to the same pixels
-share an entry; the same image resized differently does not. Identical items that are in
+their shape and modality, and the model id, under the request's scope (`cache_scope`: its
+tenant and salt): two files that decode to the same pixels share an entry within a scope; the
+same image resized differently does not, nor the same image sent by another tenant. Identical items that are in
 flight at the same time are encoded once: later requests await the first one's future.
 """
 
@@ -14,6 +15,19 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
+
+
+def cache_scope(sharing: str, tenant: str | None, salt: str | None) -> str | None:
+    """The key prefix of a request's cache entries and in-flight dedup: requests share results only
+    within one scope. "tenant": one scope per tenant (the credential a request presented; for handle
+    callers, the cluster) and salt, and none for a request with neither (no cache). "shared": one
+    scope for all requests, split by salt only. Pure."""
+    if sharing == "shared":
+        tenant = ""
+    elif tenant is None and salt is None:
+        return None
+    digest = hashlib.blake2b(repr((tenant, salt)).encode(), digest_size=16)
+    return digest.hexdigest() + "|"
 
 
 def content_key(model_id: str, modality: str, pixels: torch.Tensor) -> bytes:

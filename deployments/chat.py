@@ -82,10 +82,10 @@ def _relabel(error: RequestError, places: list[str]) -> RequestError:
     return error
 
 
-async def complete(service, body: ChatRequest):
+async def complete(service, body: ChatRequest, scope: str | None):
     """`/v1/chat/completions` (and the handle's `chat`) for the router's `EncodeService`: check,
-    encode the images, generate."""
-    request = await _generate_request(service, body)
+    encode the images (sharing cache entries within `scope`), generate."""
+    request = await _generate_request(service, body, scope)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(service, request, include_usage), media_type="text/event-stream")
@@ -103,8 +103,8 @@ async def result_within(response, timeout_s: float):
         raise RequestError(504, f"not done within request_timeout_s={timeout_s}", error_type="timeout_error") from None
 
 
-async def _generate_request(service, body: ChatRequest):
-    from .llm import GenerateRequest
+async def _generate_request(service, body: ChatRequest, scope: str | None):
+    from .wire import GenerateRequest
 
     config = service.config
     if service.llm is None:
@@ -128,7 +128,7 @@ async def _generate_request(service, body: ChatRequest):
             "messages",
         )
     try:
-        decoded, encoded = await service.encode_raw([RawItem(i, "image", url) for i, url in enumerate(urls)], True)
+        decoded, encoded = await service.encode_raw([RawItem(i, "image", url) for i, url in enumerate(urls)], scope)
     except RequestError as error:
         raise _relabel(error, places) from None
     return GenerateRequest(

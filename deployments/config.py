@@ -97,6 +97,26 @@ class RouterSettings(_Strict):
     cache_bytes: int = Field(
         256 * MiB, ge=0, description="Embedding cache size per router replica (0 turns the cache off)."
     )
+    cache_sharing: Literal["tenant", "shared"] = Field(
+        "tenant",
+        description="Which requests share embedding-cache entries and in-flight dedup (a hit is visible in "
+        "a response's latency, so whoever shares an entry can learn that another sent that image). tenant: "
+        "requests that present the same `tenant_header` value, split further by a request's `cache_salt`; "
+        "every handle caller is one tenant (they hold the cluster token); a request with neither a tenant "
+        "nor a salt is never served from the cache. shared: all requests (split by `cache_salt` only).",
+    )
+    tenant_header: str = Field(
+        "authorization",
+        min_length=1,
+        description="The HTTP header whose value names a request's tenant for `cache_sharing: tenant` (used "
+        "hashed, never logged). Callers can claim any value unless a gateway in front authenticates it.",
+    )
+    expose_detail: bool = Field(
+        False,
+        description="`/v1/models/{id}` also shows operators' detail (packing, cache and queue counters, decode "
+        "pool, each replica's work) to any HTTP client, refreshed at most once a second; off: only the model, "
+        "its budgets and its replicas' warm-up. The handle's `detail()` always gives it.",
+    )
     decode_workers: int = Field(
         4,
         gt=0,

@@ -22,13 +22,13 @@ from ray.serve.handle import DeploymentHandle
 
 from .cache import EmbeddingCache, InflightTable
 from .config import AppConfig
-from .encoder import PackRequest
 from .errors import Overloaded, RequestError, overloaded
 from .fleet import EncoderFleet
 from .media import DecodedItem
 from .metrics import RouterMetrics
 from .routing import replica_slots
 from .scheduler import PackScheduler, QueuedItem, packs_in_flight
+from .wire import PackRequest, item_from_wire
 
 logger = logging.getLogger("ray.serve")
 
@@ -38,7 +38,7 @@ class Encoded:
     """One encoded item, held by reference."""
 
     ref: Any
-    """`ray.ObjectRef` of a `models.protocol.ItemOutput`, owned by the replica that made it."""
+    """`ray.ObjectRef` of the item's wire form (`wire.item_to_wire`), owned by the replica that made it."""
     nbytes: int
     replica: str
     """The encoder replica's actor id: its objects are lost if it dies."""
@@ -271,10 +271,10 @@ class EncodeQueue:
         return RequestError(500, "encoding failed; the error is in the service log", error_type="internal_error")
 
     async def fetch(self, encoded: list[Encoded]) -> list:
-        """The items' tensors (`ItemOutput`s), read from the encoder replicas' object stores. An
-        object lost with its replica drops that replica's cache entries and fails with 503."""
+        """The items' tensors (`ItemOutput`s viewing the encoder replicas' object stores: read only).
+        An object lost with its replica drops that replica's cache entries and fails with 503."""
         try:
-            return list(await asyncio.gather(*(e.ref for e in encoded)))
+            return [item_from_wire(value) for value in await asyncio.gather(*(e.ref for e in encoded))]
         except ray.exceptions.ObjectLostError as error:  # OwnerDiedError among them
             for item in encoded:
                 self.cache.forget_replica(item.replica)

@@ -26,54 +26,17 @@ from encoder_graphs.config import Ladder
 from encoder_graphs.packing import PackItem, pack_items
 from encoder_graphs.runner import EncoderRunner
 from models import from_checkpoint, from_preset
-from models.protocol import ItemOutput, ItemSpec, from_wire, to_wire
+from models.protocol import ItemOutput
 
 from .autoscaling import ROUTER_REPORT_S, router_waiting_metrics
 from .config import AppConfig
 from .metrics import EncoderMetrics, refresh_gauges
 from .process import before_constructor
+from .wire import PackRequest, PackResult, item_to_wire, resolve_dtype
 
 logger = logging.getLogger("ray.serve")
 IMPORTED = time.monotonic()
 """The end of this module's imports, for the replica's startup line."""
-
-
-@dataclass
-class PackRequest:
-    """One pack on its way to an encoder replica."""
-
-    pack_id: int
-    modality: str
-    pixels: list[torch.Tensor]
-    """uint8 resized items (`[3, h, w]` or `[T, 3, h, w]`; InternVL: `[tiles, 3, h, w]`), in pack order."""
-    specs: list[ItemSpec]
-    requests: int = 1
-    """Distinct requests whose items the pack holds."""
-    router: str = ""
-    """The sending router's id."""
-    router_waiting_tokens: int = 0
-    """Tokens that router had not yet placed on any replica (queued, or waiting for a slot) when
-    this pack got its slot: load the replicas' own counts miss, which the autoscaler adds."""
-    router_report: int = 0
-    """That figure's sequence number at its router: orders its figures across replicas."""
-
-    @property
-    def tokens(self) -> int:
-        return sum(spec.output_tokens for spec in self.specs)
-
-    def __reduce__(self):  # pixels as numpy: a pickled tensor costs 6x more router CPU per byte
-        pixels = [to_wire(p) for p in self.pixels]
-        # The router's figures as state: a replica of an earlier version ignores them.
-        state = {
-            "router": self.router,
-            "router_waiting_tokens": self.router_waiting_tokens,
-            "router_report": self.router_report,
-        }
-        return (_pack_from_wire, (self.pack_id, self.modality, pixels, self.specs, self.requests), state)
-
-
-def _pack_from_wire(pack_id: int, modality: str, pixels: list, specs: list[ItemSpec], requests: int = 1) -> PackRequest:
-    return PackRequest(pack_id, modality, [from_wire(p) for p in pixels], specs, requests)
 
 
 @dataclass
@@ -102,36 +65,12 @@ class Ran:
     """The runner's report of that forward (`encoder_graphs.stats.PackReport`), None if it failed."""
 
 
-@dataclass
-class PackResult:
-    """An encoded pack: per-item references into this replica's object store, and where the time went."""
-
-    outputs: list
-    """`ray.ObjectRef` of each item's `ItemOutput`, in pack order: callers, the router and the LLM
-    replica pass these along, and whoever needs the tensors reads them from here."""
-    item_bytes: list[int]
-    replica: str
-    """This replica's actor id (its objects are lost if it dies)."""
-    queue_s: float
-    """Waiting in the replica for the device."""
-    forward_s: float
-    """Normalize, patchify, encode and copy to host (the whole forward it was merged into)."""
-    merged: int = 1
-    """Packs in that forward."""
-
-
 def exit_on_cuda_error(error: Exception) -> None:
     """A CUDA error is sticky: this process cannot use the GPU any more. Exit, so that Serve
     replaces the replica and its callers resend their packs elsewhere."""
     if isinstance(error, RuntimeError) and "CUDA error" in str(error):
         logger.critical("CUDA error in encoder replica, exiting so Serve replaces it: %s", error)
         os._exit(1)
-
-
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
-    return getattr(torch, dtype)
 
 
 def load_encoder(config: AppConfig):
@@ -341,7 +280,7 @@ class EncoderReplica:
             try:
                 results.append(
                     PackResult(
-                        [ray.put(out) for out in outputs],
+                        [ray.put(item_to_wire(out)) for out in outputs],
                         [out.nbytes for out in outputs],
                         self.actor_id,
                         queue_s=ran.started - waiting.arrived,
@@ -439,16 +378,13 @@ class EncoderReplica:
         return {key: round(value, 2) for key, value in self.before._asdict().items()}
 
     def _warmup_summary(self) -> dict:
-        status = self.runner.warmup_status()
         return {
             "pid": os.getpid(),
             "before_constructor": self._before_summary(),  # imports, Serve's setup, the worker's age
             "ready_s": round(self.ready_s, 2),
-            "stage": status.stage,
-            "graphs_live": status.graphs_live,
-            "graphs_total": status.graphs_total,
-            "full_speed": status.full_speed,
-            "from_record": status.from_record,  # graphs captured on an earlier warm-up's checks
+            # stage, graphs live of total, full speed, stage seconds, from_record (captured on an
+            # earlier warm-up's checks)
+            **self.runner.warmup_status().as_dict(),
         }
 
     def record_autoscaling_stats(self) -> dict:

@@ -17,8 +17,6 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -29,38 +27,10 @@ from models.protocol import ItemOutput
 from models.tiny_checkpoint import build_preset_tokenizer
 
 from .config import AppConfig, LLMSettings
-from .encoder import resolve_dtype
 from .errors import RequestError, log_refusals_in_one_line
+from .wire import GenerateRequest, GenerateResult, item_from_wire, resolve_dtype
 
 logger = logging.getLogger("ray.serve")
-
-
-@dataclass
-class GenerateRequest:
-    """What the router sends: the chat messages (images as placeholders) and embedding references."""
-
-    messages: list[dict]
-    """HF chat-template messages; image parts are `{"type": "image"}` (the vLLM replica's: also `{"type": "video"}`)."""
-    embeddings: list[Any]
-    """One Ray ObjectRef (resolving to an `ItemOutput`) per image or video, in message order."""
-    grids: list[tuple[int, int, int]]
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    frame_seconds: list[list[float]] = field(default_factory=list)
-    """Per video, in message order: each sampled frame's time in seconds (empty: 2 frames a second)."""
-
-
-@dataclass
-class GenerateResult:
-    token_ids: list[int]
-    text: str
-    prompt_tokens: int
-    vision_tokens: int
-    finish_reason: str
-    handoff: dict = field(default_factory=dict)
-    """Embedding handoff for this request: bytes fetched and milliseconds spent."""
 
 
 class StopWhenSet(StoppingCriteria):
@@ -138,7 +108,8 @@ def expand_image_pads(text: str, pad: str, counts: list[int], start: str = "", e
 async def fetch_embeddings(refs: list, totals: dict) -> tuple[list[ItemOutput], dict]:
     """(the encoder outputs behind `refs`, this handoff's images, bytes and ms), added to `totals`."""
     start = time.perf_counter()
-    items = list(await asyncio.gather(*refs)) if refs else []
+    # views of the encoder replicas' object stores: moved to the device (copied) before use, never written
+    items = [item_from_wire(value) for value in await asyncio.gather(*refs)] if refs else []
     moved = sum(i.nbytes for i in items)
     handoff = {"images": len(items), "bytes": moved, "ms": (time.perf_counter() - start) * 1e3}
     for key in totals:
@@ -231,8 +202,9 @@ class LLMReplica:
 
     def _to_device(self, item: ItemOutput) -> ItemOutput:
         dtype = self.embedding_dtype
-        deepstack = None if item.deepstack is None else item.deepstack.to(self.device, dtype)
-        return ItemOutput(item.tokens.to(self.device, dtype), deepstack)
+        # always a copy: the item views the object store's pages, shared with every other reader
+        deepstack = None if item.deepstack is None else item.deepstack.to(self.device, dtype, copy=True)
+        return ItemOutput(item.tokens.to(self.device, dtype, copy=True), deepstack)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         items, handoff = await self._fetch(request)

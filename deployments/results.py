@@ -10,42 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-import torch
-
-from models.protocol import ItemOutput
 
 from .errors import overloaded
+from .wire import item_from_wire, item_nbytes
+
+if TYPE_CHECKING:
+    import torch
+
+    from models.protocol import ItemOutput
 
 THREAD_COPY_BYTES = 1 << 20
 """`fetch` copies results at least this large in a worker thread, off the caller's event loop."""
-
-
-def owned(output: ItemOutput) -> ItemOutput:
-    """The caller's own copy. What `ray.get` returns shares the node's object store pages with
-    every other reader of the object (the router's cache serves it to later requests), so a
-    caller writing in place would change their results too. A tensor already in memory of its
-    own (a deepstack a CPU replica sent as levels is stacked when read) is kept: one copy, not two."""
-    deepstack = None if output.deepstack is None else _private(output.deepstack)
-    return ItemOutput(_private(output.tokens), deepstack)
-
-
-def _private(tensor: torch.Tensor) -> torch.Tensor:
-    # torch's allocator made a resizable storage; one over numpy's view of shared pages is not
-    storage = tensor.untyped_storage()
-    if storage.resizable() and not tensor.is_shared():
-        return tensor
-    # One memcpy on this thread. `tensor.clone()` splits the copy over torch's intra-op pool, which
-    # in a caller's process has a thread per core, woken (and left spinning) for every result.
-    if not tensor.is_contiguous():  # not what `ray.get` returns
-        return tensor.clone()
-    copy = torch.empty(tensor.shape, dtype=tensor.dtype)
-    ctypes.memmove(copy.data_ptr(), tensor.data_ptr(), tensor.nbytes)
-    return copy
 
 
 @dataclass
@@ -60,7 +39,9 @@ class ItemRef:
     tokens: int
     """Output tokens (rows of `embedding`)."""
     ref: Any
-    """`ray.ObjectRef` resolving to a `models.protocol.ItemOutput` (tokens, deepstack)."""
+    """`ray.ObjectRef` of the item's tensors as read-only numpy arrays: `ray.get(ref)` is `{"tokens":
+    [tokens, hidden], "deepstack": [levels, tokens, hidden] (or a list of levels) or None, "dtype"}`
+    (bfloat16 as raw `uint16` words); `deployments.wire.item_from_wire` makes tensors of it."""
     timing_ms: dict[str, float] = field(default_factory=dict, compare=False, kw_only=True)
     """Where the request's time went in the service, as HTTP's `Server-Timing` header says it."""
 
@@ -74,7 +55,8 @@ class EncodeResult(ItemRef):
     def _fetched(self) -> ItemOutput:
         if self._output is None:
             with self._lost_as_503():
-                self._output = owned(ray.get(self.ref))
+                value = ray.get(self.ref)
+            self._output = item_from_wire(value, copy=True)
         return self._output
 
     async def fetch(self) -> EncodeResult:
@@ -82,9 +64,9 @@ class EncodeResult(ItemRef):
         copied in a worker thread, so that the caller's event loop keeps serving its other requests."""
         if self._output is None:
             with self._lost_as_503():
-                output = await self.ref
-            big = output.nbytes >= THREAD_COPY_BYTES
-            copy = await asyncio.to_thread(owned, output) if big else owned(output)
+                value = await self.ref
+            big = item_nbytes(value) >= THREAD_COPY_BYTES
+            copy = await asyncio.to_thread(item_from_wire, value, True) if big else item_from_wire(value, True)
             if self._output is None:  # a concurrent fetch may have finished first: keep the copy it gave
                 self._output = copy
         return self

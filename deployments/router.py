@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 import ray
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -68,7 +69,9 @@ def attach_hint(app_name: str) -> str:
 
 
 DESCRIBE_TIMEOUT_S = 2.0
-"""How long `/v1/models/{id}` waits for an encoder replica's own description."""
+"""How long `detail()` waits for a replica's own description."""
+DETAIL_TTL_S = 1.0
+"""How long `/v1/models/{id}` reuses its last `detail()` (with `router.expose_detail`)."""
 
 
 @serve.ingress(api)
@@ -95,7 +98,10 @@ class EncoderRouter:
             template.close()  # no decode process outlives a router that failed to start
             self._close()
             raise
-        self._described: tuple[float, dict] | None = None
+        self._described: dict[str, tuple[float, dict]] = {}
+        """Each deployment's last description and when it came (`_describe`)."""
+        self._detail: tuple[float, dict] | None = None
+        self._detail_task: asyncio.Future | None = None
         self._stop_gauges = refresh_gauges(self.service.set_gauges)
         api.state.router = self  # the serving app's handlers reach the router through this
         set_proxy_access_log(config.router.log_requests)
@@ -123,11 +129,11 @@ class EncoderRouter:
     # ---- HTTP ----
 
     @api.post("/v1/encode")
-    async def encode_http(self, body: EncodeRequest) -> Response:
+    async def encode_http(self, body: EncodeRequest, request: Request) -> Response:
         if body.model is not None and body.model != self.config.model.model_id:
             raise RequestError(404, f"model {body.model!r} is not served here; see /v1/models", "model")
         try:
-            return await self.service.encode_http(body)
+            return await self.service.encode_http(body, self._tenant(request))
         except asyncio.CancelledError:  # the client went away (Serve cancels its request)
             self.count_rejection(499)
             raise
@@ -147,66 +153,115 @@ class EncoderRouter:
     @api.get("/v1/models")
     async def models(self) -> dict:
         """The served models, OpenAI-shaped; details at `/v1/models/{id}`."""
-        ids = [self.config.model.model_id] + ([self.config.llm.model_id] if self.config.llm else [])
         return {
             "object": "list",
-            "data": [{"id": i, "object": "model", "owned_by": "vlm-encoder-serve"} for i in dict.fromkeys(ids)],
+            "data": [
+                {"id": i, "object": "model", "owned_by": "vlm-encoder-serve"} for i in dict.fromkeys(self._model_ids())
+            ],
         }
 
     @api.get("/v1/models/{model_id:path}")
     async def model_detail(self, model_id: str) -> Response:
-        """The encoder's (or the LLM's) state: replicas, warm-up, packing, cache, decode pool."""
-        detail = {}
-        if model_id == self.config.model.model_id:
-            reports = replica_reports()
-            detail["encoder"] = {
-                "family": self.service.family,
-                "budgets": list(self.ladder),
-                "replicas": self.fleet.states,
-                # every replica's warm-up as its last routing report gave it (the `replica` below is one)
-                "replica_warmup": {rid: r["warmup"] for rid, r in reports.items() if "warmup" in r},
-                "replica_work": {rid: r["work"] for rid, r in reports.items() if "work" in r},
-                "router": self.router_stats(),
-                "replica": await self._describe(self.encoder),
-            }
-        if self.config.llm is not None and model_id == self.config.llm.model_id:
-            detail["llm"] = await self._describe(self.llm)
-        if not detail:
+        """The encoder's public state (family, budgets, replicas, their warm-up); with
+        `router.expose_detail`, also what operators read through the handle's `detail()`."""
+        if model_id not in self._model_ids():
             raise RequestError(404, f"model {model_id!r} is not served here; see /v1/models", "model")
-        body = {"id": model_id, "object": "model", "owned_by": "vlm-encoder-serve", **detail}
+        if self.config.router.expose_detail:
+            detail = await self._detail_snapshot()
+        elif model_id == self.config.model.model_id:
+            detail = {"encoder": self._public_detail()}
+        else:
+            detail = {}
+        body = {"id": model_id, "object": "model", "owned_by": "vlm-encoder-serve"}
+        body.update({part: value for part, value in detail.items() if model_id == self._part_model(part)})
         return Response(json.dumps(body, indent=2), media_type="application/json")
+
+    def _model_ids(self) -> list[str]:
+        return [self.config.model.model_id] + ([self.config.llm.model_id] if self.config.llm else [])
+
+    def _part_model(self, part: str) -> str:
+        return self.config.model.model_id if part == "encoder" else self.config.llm.model_id
+
+    def _public_detail(self) -> dict:
+        """What any client may see: nothing about other callers' requests (no cache, pack or queue
+        counters), and nothing that costs more than reading this router's own state."""
+        reports = replica_reports()
+        return {
+            "family": self.service.family,
+            "budgets": list(self.ladder),
+            "replicas": self.fleet.states,
+            # every replica's warm-up as its last routing report gave it
+            "replica_warmup": {rid: r["warmup"] for rid, r in reports.items() if "warmup" in r},
+        }
+
+    async def _detail_snapshot(self) -> dict:
+        """`detail()`, computed at most once per `DETAIL_TTL_S` however many clients poll: one
+        computation is shared by every request that arrives while it runs."""
+        now = time.monotonic()
+        if self._detail is not None and now - self._detail[0] < DETAIL_TTL_S:
+            return self._detail[1]
+        if self._detail_task is None or self._detail_task.done():
+            self._detail_task = asyncio.ensure_future(self.detail())
+        detail = await asyncio.shield(self._detail_task)
+        self._detail = (time.monotonic(), detail)
+        return detail
+
+    async def detail(self) -> dict:
+        """The service's state for operators (through the handle: callers that hold the cluster
+        token): the encoder's replicas, warm-up, packing, cache and decode pool, one replica's own
+        description, and the LLM's."""
+        reports = replica_reports()
+        encoder = {
+            **self._public_detail(),
+            "replica_work": {rid: r["work"] for rid, r in reports.items() if "work" in r},
+            "router": await asyncio.to_thread(self.router_stats),
+            "replica": await self._describe(self.encoder),
+        }
+        detail = {"encoder": encoder}
+        if self.llm is not None:
+            detail["llm"] = await self._describe(self.llm)
+        return detail
 
     async def _describe(self, handle: DeploymentHandle) -> dict:
         """One replica's own description, waited for at most `DESCRIBE_TIMEOUT_S` (under load the
         call queues behind work); then the last one, marked with its age, or `{"status": "busy"}`."""
         response = handle.describe.remote()
+        name = handle.deployment_name
         try:
             described = await asyncio.wait_for(response, DESCRIBE_TIMEOUT_S)
         except asyncio.TimeoutError:
             response.cancel()
-            if self._described is None:
+            if name not in self._described:
                 return {"status": "busy", "detail": f"no replica answered within {DESCRIBE_TIMEOUT_S} s"}
-            at, last = self._described
+            at, last = self._described[name]
             return {**last, "stale_s": round(time.monotonic() - at, 1)}
-        self._described = (time.monotonic(), described)
+        self._described[name] = (time.monotonic(), described)
         return described
 
     @api.post("/v1/chat/completions")
-    async def chat_http(self, body: ChatRequest):
+    async def chat_http(self, body: ChatRequest, request: Request):
         try:
-            return await self.service.chat(body)
+            return await self.service.chat(body, self._tenant(request))
         except asyncio.CancelledError:  # the client went away (Serve cancels its request)
             self.count_rejection(499)
             raise
 
     # ---- Python handle ----
 
-    async def encode(self, items: list, cache: bool = True, as_refs: bool = False) -> "list[ItemRef]":
+    def _tenant(self, request: Request) -> str | None:
+        """Who the HTTP caller is for the cache (`router.tenant_header`), None if it did not say."""
+        value = request.headers.get(self.config.router.tenant_header)
+        return None if value is None else f"http:{value}"
+
+    async def encode(
+        self, items: list, cache: bool = True, as_refs: bool = False, cache_salt: str | None = None
+    ) -> "list[ItemRef]":
         """Encode PIL images, encoded image bytes, or {"type": "video", "frames": [...] | "video": bytes}
         dicts. Returns `EncodeResult`s (tensors read from the encoder replica on first use) or, with
-        `as_refs`, `ItemRef`s (metadata and the reference only)."""
+        `as_refs`, `ItemRef`s (metadata and the reference only). `cache_salt`: share cache entries only
+        with calls that give the same salt."""
         try:
-            return await self.service.encode(items, cache, as_refs)
+            return await self.service.encode(items, cache, as_refs, cache_salt)
         except RequestError as error:  # over HTTP the exception handler counts it
             self.count_rejection(error.status)
             raise

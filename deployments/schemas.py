@@ -40,6 +40,12 @@ class EncodeRequest(_Body):
         None, description="safetensors only: the tensors' dtype (default: the model's)."
     )
     cache: bool = Field(True, description="Use the embedding cache and in-flight dedup for these items.")
+    cache_salt: str | None = Field(
+        None,
+        max_length=256,
+        description="Share cache entries only with requests that give the same salt (and, by default, the "
+        "same tenant: `router.cache_sharing`).",
+    )
 
     @field_validator("dtype")
     @classmethod
@@ -129,6 +135,9 @@ class ChatRequest(_Body):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="Only 1.")
     user: str | None = Field(None, description="Accepted and ignored.")
+    cache_salt: str | None = Field(
+        None, max_length=256, description="The images' cache entries are shared only with requests of the same salt."
+    )
 
 
 def parse_chat_request(body: dict) -> ChatRequest:

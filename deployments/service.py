@@ -17,6 +17,7 @@ from encoder_graphs.config import Ladder
 from models import load_preprocessor
 
 from . import chat
+from .cache import cache_scope
 from .config import AppConfig
 from .decode_pool import Template
 from .encode_queue import EncodeQueue, ResultsLost
@@ -28,6 +29,9 @@ from .ref_hold import ReferenceHold
 from .responses import encode_response_json, json_body, safetensors_body
 from .results import EncodeResult, ItemRef
 from .schemas import ChatRequest, EncodeRequest
+
+HANDLE_TENANT = "handle"
+"""The tenant of every handle caller: they hold the cluster token, which lets them do anything anyway."""
 
 
 def server_timing(seconds: dict[str, float]) -> str:
@@ -67,12 +71,19 @@ class EncodeService:
         """Start the decode pool from the template the router spawned (blocking)."""
         self.intake.start(template)
 
-    async def encode_raw(self, raws, use_cache: bool, timing: dict[str, float] | None = None, read_here: bool = False):
-        """Decode and encode request items: (decoded items, references to their results). `timing`
-        gets the seconds each stage took; `read_here`: this router reads the results (HTTP), and
-        encodes again what it finds lost, so cache hits need no check first."""
+    def cache_scope(self, use_cache: bool, tenant: str | None, salt: str | None) -> str | None:
+        """The request's cache scope (`cache.cache_scope`); None: no cache for it."""
+        return cache_scope(self.config.router.cache_sharing, tenant, salt) if use_cache else None
+
+    async def encode_raw(
+        self, raws, scope: str | None, timing: dict[str, float] | None = None, read_here: bool = False
+    ):
+        """Decode and encode request items: (decoded items, references to their results). `scope`:
+        the cache scope its items share entries within (None: none). `timing` gets the seconds each
+        stage took; `read_here`: this router reads the results (HTTP), and encodes again what it
+        finds lost, so cache hits need no check first."""
         start = time.perf_counter()
-        decoded = await self.intake.decode(raws, self.queue.check_room, "" if use_cache else None)
+        decoded = await self.intake.decode(raws, self.queue.check_room, scope)
         decoded_at = time.perf_counter()
         self.metrics.preprocess_seconds.observe(decoded_at - start)
         encoded = await self.queue.encode(decoded, check_hits=not read_here)
@@ -86,12 +97,14 @@ class EncodeService:
             self.metrics.vision_tokens.inc(sum(d.spec.output_tokens for d in decoded))
         return decoded, encoded
 
-    async def encode_http(self, body: EncodeRequest) -> Response:
-        """`/v1/encode`: encode, read the results from the replicas, serialize them."""
+    async def encode_http(self, body: EncodeRequest, tenant: str | None) -> Response:
+        """`/v1/encode`: encode, read the results from the replicas, serialize them. `tenant`: what
+        names the caller's tenant (the configured header's value), None if it sent none."""
         self.intake.check_item_count(len(body.items))
         raws = [raw_from_http(i, item) for i, item in enumerate(body.items)]
         timing: dict[str, float] = {}
-        decoded, encoded = await self.encode_raw(raws, body.cache, timing, read_here=True)
+        scope = self.cache_scope(body.cache, tenant, body.cache_salt)
+        decoded, encoded = await self.encode_raw(raws, scope, timing, read_here=True)
         fetch_start = time.perf_counter()
         try:
             outputs = await self.queue.fetch(encoded)
@@ -122,12 +135,12 @@ class EncodeService:
         headers = {"Server-Timing": server_timing(timing)}
         return Response(content=content, media_type="application/json", headers=headers)
 
-    async def encode(self, items: list, cache: bool, as_refs: bool) -> list[ItemRef]:
+    async def encode(self, items: list, cache: bool, as_refs: bool, cache_salt: str | None = None) -> list[ItemRef]:
         """The handle's `encode`: `EncodeResult`s, or `ItemRef`s with `as_refs`; the references are
-        held for `router.handle_hold_s`."""
+        held for `router.handle_hold_s`. Handle callers are one tenant (`HANDLE_TENANT`)."""
         timing: dict[str, float] = {}
         raws = [raw_from_python(index, item) for index, item in enumerate(items)]
-        decoded, encoded = await self.encode_raw(raws, cache, timing)
+        decoded, encoded = await self.encode_raw(raws, self.cache_scope(cache, HANDLE_TENANT, cache_salt), timing)
         kind = ItemRef if as_refs else EncodeResult
         timing_ms = {stage: round(seconds * 1e3, 3) for stage, seconds in timing.items()}
         self.handed_out.hold([e.ref for e in encoded])
@@ -136,9 +149,10 @@ class EncodeService:
             for i, (d, e) in enumerate(zip(decoded, encoded))
         ]
 
-    async def chat(self, body: ChatRequest):
-        """A chat completion (a streamed response when `body.stream`)."""
-        return await chat.complete(self, body)
+    async def chat(self, body: ChatRequest, tenant: str | None = HANDLE_TENANT):
+        """A chat completion (a streamed response when `body.stream`); `tenant` as for `encode_http`
+        (the default: the handle's caller)."""
+        return await chat.complete(self, body, self.cache_scope(True, tenant, body.cache_salt))
 
     @property
     def decode_workers_alive(self) -> int:

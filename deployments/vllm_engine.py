@@ -30,9 +30,9 @@ from transformers import AutoTokenizer
 from models.protocol import ItemOutput
 
 from .config import AppConfig, LLMSettings
-from .encoder import resolve_dtype
 from .errors import RequestError
-from .llm import GenerateRequest, GenerateResult, fetch_embeddings
+from .llm import fetch_embeddings
+from .wire import GenerateRequest, GenerateResult, resolve_dtype
 
 logger = logging.getLogger("ray.serve")
 

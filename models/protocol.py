@@ -7,7 +7,6 @@ or a host tensor computed before replay (from `VisionEncoder.pack_metadata`).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -88,48 +87,6 @@ class ItemOutput:
     def nbytes(self) -> int:
         """Bytes of its tensors."""
         return self.tokens.nbytes + (0 if self.deepstack is None else self.deepstack.nbytes)
-
-    def __reduce__(self):
-        return (_item_output_from_arrays, (to_wire(self.tokens), to_wire(self.deepstack)))
-
-
-def to_wire(tensor: torch.Tensor | None):
-    """A CPU tensor as numpy arrays, for pickling into Ray's object store: numpy's bytes go out
-    of band (one copy in, zero copies out), where a pickled tensor goes through the pickle
-    stream and takes its whole storage along (a view of a pack carries the pack). A view whose
-    slices along the first dim are each contiguous (an item's deepstack levels, cut from a
-    pack's `[levels, tokens, hidden]` where outputs stay on the device that made them) goes as
-    those slices, not copied into one block first; outputs copied off a GPU come laid out one
-    item after another (`encoder_graphs.execute.item_outputs`) and go as they lie."""
-    if tensor is None or tensor.device.type != "cpu":
-        return tensor
-    kind = "bfloat16" if tensor.dtype == torch.bfloat16 else ""
-    if not tensor.is_contiguous() and 1 < tensor.shape[0] <= 16 and all(part.is_contiguous() for part in tensor):
-        return (kind, [_array(part) for part in tensor])
-    return (kind, _array(tensor.contiguous()))
-
-
-def _array(tensor: torch.Tensor):
-    return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
-
-
-def from_wire(packed) -> torch.Tensor | None:
-    """`to_wire`'s inverse; the tensor shares the object store's read-only memory (one sent as
-    slices is stacked into fresh memory)."""
-    if packed is None or isinstance(packed, torch.Tensor):
-        return packed
-    kind, arrays = packed
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only shared memory: never written in place
-        if isinstance(arrays, list):
-            tensor = torch.stack([torch.from_numpy(array) for array in arrays])
-        else:
-            tensor = torch.from_numpy(arrays)
-    return tensor.view(torch.bfloat16) if kind == "bfloat16" else tensor
-
-
-def _item_output_from_arrays(tokens, deepstack) -> ItemOutput:
-    return ItemOutput(from_wire(tokens), from_wire(deepstack))
 
 
 def segment_lengths(specs: Sequence[ItemSpec]) -> list[int]:

@@ -84,10 +84,17 @@ def encode_file(image: Image.Image, fmt: str = "PNG", **save_args) -> bytes:
     return buffer.getvalue()
 
 
-def model_detail(client, base_url: str, timeout: float = 30) -> dict:
-    """The encoder's detail (`/v1/models/{id}`): replicas, router stats, one replica's description."""
-    model_id = client.get(base_url + "/v1/models", timeout=timeout).json()["data"][0]["id"]
-    return client.get(f"{base_url}/v1/models/{model_id}", timeout=timeout).json()["encoder"]
+def model_detail(base_url: str, timeout: float = 30) -> dict:
+    """The encoder's operator detail (the router's `detail()`, through the handle of the harness's
+    application served at `base_url`): replicas, router stats, one replica's description."""
+    from ray import serve
+
+    from tests.serve_harness import ServeHarness
+
+    harness = ServeHarness.current
+    prefix = base_url.removeprefix(harness.base_url) or "/"
+    name = next(name for name, app in harness.apps.items() if app.route_prefix.rstrip("/") == prefix.rstrip("/"))
+    return serve.get_app_handle(name).detail.remote().result(timeout_s=timeout)["encoder"]
 
 
 def assert_each_item_is_one_block(outputs) -> None:

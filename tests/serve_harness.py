@@ -123,8 +123,8 @@ class ServeHarness:
             f"application {name} not running after {timeout_s} s: {serve.status().applications.get(name)}"
         )
 
-    def http(self, timeout: float = 120) -> httpx.Client:
-        return httpx.Client(timeout=timeout)
+    def http(self, timeout: float = 120, **options) -> httpx.Client:
+        return httpx.Client(timeout=timeout, **options)
 
 
 def _merge(base: dict, overrides: dict) -> dict:

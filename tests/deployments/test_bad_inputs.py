@@ -607,7 +607,7 @@ def test_a_request_refused_while_decoding_is_counted_and_leaves_nothing_queued(u
     """The truncated item passes the header checks (so the request's tokens were counted) and fails to decode."""
 
     def router_stats():
-        return model_detail(client, urls["default"])["router"]
+        return model_detail(urls["default"])["router"]
 
     before = router_stats()["rejected"].get("invalid", 0)
     assert_error(post(client, urls["default"], second(image(png(64, 64)[:-100]))), 400, "items[1]")

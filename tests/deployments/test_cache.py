@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from ray import serve
 
-from deployments.cache import EmbeddingCache
+from deployments.cache import EmbeddingCache, cache_scope
 from deployments.encode_queue import Encoded
 from tests.deployments.media_helpers import b64, decode_embedding, image_file, pattern
 from tests.helpers import model_detail
@@ -39,10 +39,27 @@ def encoded_items() -> int:
     )
 
 
+TENANT = {"Authorization": "Bearer tenant-a"}
+
+
+def test_a_scope_is_one_tenant_and_salt_and_none_without_either():
+    assert cache_scope("tenant", None, None) is None  # nobody to share with: no cache
+    scopes = {cache_scope("tenant", t, s) for t in ("http:a", "http:b", "handle") for s in (None, "x", "y")}
+    assert len(scopes) == 9 and None not in scopes
+    assert cache_scope("tenant", "http:a", "x") == cache_scope("tenant", "http:a", "x")
+    assert cache_scope("tenant", None, "x") not in scopes  # a salt alone: those who know it share
+    assert (
+        cache_scope("shared", "http:a", None)
+        == cache_scope("shared", None, None)
+        == cache_scope("shared", "handle", None)
+    )
+    assert cache_scope("shared", "http:a", "x") != cache_scope("shared", "http:a", None)
+
+
 def test_a_cache_hit_returns_identical_embeddings_without_encoding(serve_harness):
     url = serve_harness.deploy("configs/local.yaml")
     body = {"items": [{"type": "image", "image": b64(image_file(pattern(140, 90, seed=77), "PNG"))}]}
-    with serve_harness.http() as client:
+    with serve_harness.http(headers=TENANT) as client:
         first = client.post(url + "/v1/encode", json=body).json()["data"][0]
         before = encoded_items()
         second = client.post(url + "/v1/encode", json=body).json()["data"][0]
@@ -57,13 +74,41 @@ def test_20_concurrent_identical_requests_cause_one_encode(serve_harness):
     url = serve_harness.deploy("configs/local.yaml")
     body = {"items": [{"type": "image", "image": b64(image_file(pattern(300, 200, seed=78), "PNG"))}]}
     before = encoded_items()
-    with serve_harness.http() as client, ThreadPoolExecutor(20) as pool:
+    with serve_harness.http(headers=TENANT) as client, ThreadPoolExecutor(20) as pool:
         replies = list(pool.map(lambda _: client.post(url + "/v1/encode", json=body), range(20)))
-        cache = model_detail(client, url)["router"]["cache"]
+        cache = model_detail(url)["router"]["cache"]
     assert all(r.status_code == 200 for r in replies)
     assert len({r.json()["data"][0]["embedding"] for r in replies}) == 1
     assert encoded_items() == before + 1
     assert cache["inflight_dedup"] + cache["hits"] >= 19
+
+
+def test_no_caller_sees_a_hit_on_another_tenants_entry(serve_harness):
+    """Another tenant's request for the same image is encoded again: its timing (`forward`), the
+    replica's work and the operators' hit counter all say so, as for a first request; a request
+    that names no tenant never hits, and the public model detail carries no counter at all."""
+    url = serve_harness.deploy("configs/local.yaml")
+    body = {"items": [{"type": "image", "image": b64(image_file(pattern(150, 90, seed=79), "PNG"))}]}
+
+    def forward_ms(reply) -> float:
+        return float(reply.headers["server-timing"].split("forward;dur=")[1].split(",")[0])
+
+    with serve_harness.http() as client:
+        first = client.post(url + "/v1/encode", json=body, headers=TENANT)
+        hits = model_detail(url)["router"]["cache"]["hits"]
+        before = encoded_items()
+        other = client.post(url + "/v1/encode", json=body, headers={"Authorization": "Bearer tenant-b"})
+        anonymous = [client.post(url + "/v1/encode", json=body) for _ in range(2)]
+        salted = client.post(url + "/v1/encode", json={**body, "cache_salt": "s"}, headers=TENANT)
+        assert encoded_items() == before + 4 and model_detail(url)["router"]["cache"]["hits"] == hits
+        assert all(forward_ms(r) > 0 for r in [other, *anonymous, salted])
+        again = client.post(url + "/v1/encode", json=body, headers=TENANT)  # the first tenant: a hit
+        assert encoded_items() == before + 4 and forward_ms(again) == 0
+        model_id = first.json()["model"]
+        public = client.get(f"{url}/v1/models/{model_id}").json()["encoder"]
+    assert "router" not in public and "replica_work" not in public and "cache" not in str(public)
+    assert all(r.status_code == 200 for r in [first, other, *anonymous, salted, again])
+    assert again.json() == first.json() and other.json()["data"][0]["embedding"] == first.json()["data"][0]["embedding"]
 
 
 def test_a_finished_items_waiters_never_touch_a_newer_future_of_the_same_content():

@@ -17,6 +17,7 @@ import yaml
 from PIL import Image
 from ray import serve
 
+from deployments.wire import PackRequest, item_from_wire
 from models import from_preset
 from tests.deployments.media_helpers import (
     b64,
@@ -173,7 +174,7 @@ def test_64_concurrent_requests_get_their_own_items(url, reference, serve_harnes
 
         with ThreadPoolExecutor(64) as pool:
             responses = list(pool.map(send, requests))
-        router = model_detail(client, url)["router"]
+        router = model_detail(url)["router"]
     stats = router["packs"]
     for files, response in zip(requests, responses):
         assert response.status_code == 200, response.text
@@ -197,8 +198,6 @@ def test_lone_request_is_served_within_max_wait_plus_compute(app, url, serve_har
     describe = handle.describe.remote().result()
     assert describe["stats"]["packs"] >= 2
     # compute: the same pack straight on the replica, bypassing the router
-    from deployments.encoder import PackRequest
-
     encoder = from_preset(app.model_id)
     pixels = encoder.preprocessor.resize_image(
         torch.from_numpy(np.asarray(pattern(300, 300)).transpose(2, 0, 1).copy())
@@ -264,14 +263,14 @@ def test_health_models_and_docs(app, url, serve_harness):
             "object": "list",
             "data": [{"id": app.model_id, "object": "model", "owned_by": "vlm-encoder-serve"}],
         }
-        detail = model_detail(client, url)
+        detail = model_detail(url)
         assert detail["family"] == app.args["model"]["family"] and detail["replicas"] == {"RUNNING": 1}
         assert detail["budgets"][-1] == app.args["graphs"].get("max_budget_tokens", detail["budgets"][-1])
         # every replica's warm-up, from the routing reports Serve collects each second
         deadline = time.monotonic() + 30
         while not detail["replica_warmup"] and time.monotonic() < deadline:
             time.sleep(0.5)
-            detail = model_detail(client, url)
+            detail = model_detail(url)
         [warmup] = detail["replica_warmup"].values()
         assert warmup["pid"] == detail["replica"]["pid"] and warmup["graphs_total"] == detail["replica"]["graphs"]
         assert 0 <= warmup["graphs_live"] <= warmup["graphs_total"] and warmup["ready_s"] > 0
@@ -284,6 +283,9 @@ def test_health_models_and_docs(app, url, serve_harness):
         assert 0 <= work["forwards"] <= work["merged_packs"] and work["tokens"] >= 0 and "store" in work["step_seconds"]
         assert {"first_pack_checks", "recurring_captures", "between"} <= work["step_seconds"].keys()
         assert work["step_seconds"]["first_pack_checks"] <= work["step_seconds"]["run"]  # a part of it
+        public = client.get(f"{url}/v1/models/{app.model_id}").json()  # for any client: no counters
+        assert public["encoder"].keys() == {"family", "budgets", "replicas", "replica_warmup"}
+        assert public["encoder"]["budgets"] == detail["budgets"]
         unknown = client.get(url + "/v1/models/gpt-4o")
         assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
         assert unknown.json()["error"]["type"] == "invalid_request_error"  # as /v1/encode's unknown model
@@ -300,8 +302,7 @@ def test_models_does_not_wait_on_a_saturated_encoder(url, serve_harness):
 
     from deployments.router import DESCRIBE_TIMEOUT_S, EncoderRouter
 
-    with serve_harness.http() as client:
-        fresh = model_detail(client, url)["replica"]
+    fresh = model_detail(url)["replica"]
     assert "stale_s" not in fresh and fresh["stats"]["packs"] >= 0
 
     class Queued:  # what `handle.describe.remote()` returns while every replica slot is taken
@@ -314,11 +315,13 @@ def test_models_does_not_wait_on_a_saturated_encoder(url, serve_harness):
             Queued.cancelled = True
 
     class Saturated:
+        deployment_name = "EncoderReplica"
+
         class describe:  # noqa: N801 - the handle's method name
             remote = staticmethod(Queued)
 
     router = object.__new__(EncoderRouter)
-    router._described = None
+    router._described = {}
 
     async def ask() -> tuple[dict, float]:
         start = time.perf_counter()
@@ -326,7 +329,7 @@ def test_models_does_not_wait_on_a_saturated_encoder(url, serve_harness):
 
     busy, waited = asyncio.run(ask())
     assert busy["status"] == "busy" and Queued.cancelled and waited < DESCRIBE_TIMEOUT_S + 1
-    router._described, Queued.cancelled = (time.monotonic() - 5, fresh), False
+    router._described, Queued.cancelled = {"EncoderReplica": (time.monotonic() - 5, fresh)}, False
     stale, _ = asyncio.run(ask())
     assert stale["stale_s"] >= 5 and stale["stats"] == fresh["stats"] and Queued.cancelled
 
@@ -343,12 +346,11 @@ def test_handle_results_come_from_the_encoder_replica_not_through_the_router(app
     encoder, tower = reference
     files = [image_file(pattern(140, 100, seed=s), "PNG") for s in (61, 62)]
     handle = serve.get_app_handle(app.name)
-    with serve_harness.http() as client:
-        before = model_detail(client, url)["router"]["embedding_bytes_received"]
-        response = handle.encode.remote([files[0]])
-        results = response.result()
-        refs = handle.encode.remote([files[1]], as_refs=True).result()
-        router = model_detail(client, url)["router"]
+    before = model_detail(url)["router"]["embedding_bytes_received"]
+    response = handle.encode.remote([files[0]])
+    results = response.result()
+    refs = handle.encode.remote([files[1]], as_refs=True).result()
+    router = model_detail(url)["router"]
     assert router["embedding_bytes_received"] == before
     # the test cluster started in this process, with Ray's ingress flag as this environment sets it
     haproxy = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
@@ -359,7 +361,7 @@ def test_handle_results_come_from_the_encoder_replica_not_through_the_router(app
     del response
     gc.collect()
     expected = [reference_image(encoder, tower, f) for f in files]
-    for result, (tokens, deepstack, _) in zip([results[0], ray.get(refs[0].ref)], expected):
+    for result, (tokens, deepstack, _) in zip([results[0], item_from_wire(ray.get(refs[0].ref))], expected):
         embedding = result.embedding if isinstance(result, EncodeResult) else result.tokens
         assert relative_error(embedding, tokens) <= TOLERANCE
         assert (result.deepstack is None) == (deepstack is None)
@@ -369,12 +371,18 @@ def test_handle_results_come_from_the_encoder_replica_not_through_the_router(app
 
 
 def test_a_caller_writing_into_its_result_changes_nobody_elses(app, url, reference):
-    """The caller's tensors are its own: the object store's pages are shared by every reader of
-    the object, and the router's cache answers later requests from the same object."""
+    """The caller's tensors are its own, and the stored arrays (`as_refs`) are read-only: the object
+    store's pages are shared by every reader of the object, and the router's cache answers later
+    requests from the same object."""
+    import ray
+
     encoder, tower = reference
     data = image_file(pattern(120, 90, seed=63), "PNG")
     handle = serve.get_app_handle(app.name)
     first = handle.encode.remote([data]).result()[0]  # cached by the router
+    stored = ray.get(handle.encode.remote([data], as_refs=True).result()[0].ref)
+    with pytest.raises(ValueError, match="read-only"):
+        stored["tokens"].fill(7)
     first.embedding.fill_(7.0)
     if first.deepstack is not None:
         first.deepstack.fill_(7.0)
@@ -397,8 +405,6 @@ def test_packs_waiting_at_a_replica_run_merged_and_each_gets_its_own_items(app, 
     they fit; each pack's results are its own items', equal to transformers item by item."""
     import ray
 
-    from deployments.encoder import PackRequest
-
     encoder, tower = reference
     pre = encoder.preprocessor
     files = [image_file(pattern(96 + 16 * i, 80, seed=70 + i), "PNG") for i in range(7)]
@@ -420,7 +426,7 @@ def test_packs_waiting_at_a_replica_run_merged_and_each_gets_its_own_items(app, 
         assert len(result.outputs) == len(group)
         for data, ref in zip(group, result.outputs):
             tokens, deepstack, _ = reference_image(encoder, tower, data)
-            output = ray.get(ref)
+            output = item_from_wire(ray.get(ref))
             assert relative_error(output.tokens, tokens) <= TOLERANCE
             if deepstack is not None:
                 assert relative_error(output.deepstack, deepstack) <= TOLERANCE
@@ -429,8 +435,6 @@ def test_packs_waiting_at_a_replica_run_merged_and_each_gets_its_own_items(app, 
 def test_the_trip_between_forwards_is_counted_while_packs_wait(app, reference):
     """A large pack's forward with small packs arriving meanwhile: the time from its end to the
     next forward's start (back through the event loop) is counted as the replica's `between` step."""
-    from deployments.encoder import PackRequest
-
     encoder, _ = reference
     pre = encoder.preprocessor
     large = [image_file(pattern(2048, 2048, seed=90), "PNG")]
@@ -458,8 +462,6 @@ def test_a_pack_that_fails_in_a_merged_forward_fails_alone(app, reference):
     it are rerun on their own and come back right."""
     import ray
 
-    from deployments.encoder import PackRequest
-
     encoder, tower = reference
     pre = encoder.preprocessor
     files = [image_file(pattern(96 + 16 * i, 80, seed=80 + i), "PNG") for i in range(5)]
@@ -475,7 +477,7 @@ def test_a_pack_that_fails_in_a_merged_forward_fails_alone(app, reference):
         if index == 2:
             continue
         tokens, _, _ = reference_image(encoder, tower, data)
-        assert relative_error(ray.get(responses[index].result().outputs[0]).tokens, tokens) <= TOLERANCE
+        assert relative_error(item_from_wire(ray.get(responses[index].result().outputs[0])).tokens, tokens) <= TOLERANCE
 
 
 def test_handle_refuses_unsupported_items_with_a_clear_error(app, url):

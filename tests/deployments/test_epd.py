@@ -113,16 +113,16 @@ def test_router_forwards_references_not_embeddings(apps, serve_harness):
     """Embeddings go encoder -> LLM through the object store; the router never holds the tensors."""
     url = apps["qwen3-vl"]
     with serve_harness.http() as client:
-        before = model_detail(client, url)["router"]["embedding_bytes_received"]
+        before = model_detail(url)["router"]["embedding_bytes_received"]
         reply = client.post(url + "/v1/chat/completions", json={"messages": openai_messages(IMAGES), "max_tokens": 2})
         assert reply.status_code == 200, reply.text
-        after = model_detail(client, url)["router"]["embedding_bytes_received"]
+        after = model_detail(url)["router"]["embedding_bytes_received"]
         encode = client.post(
             url + "/v1/encode",
             json={"items": [{"type": "image", "image": data_url(IMAGES[0]).partition(",")[2]}]},
         )
         assert encode.status_code == 200
-        after_encode = model_detail(client, url)["router"]["embedding_bytes_received"]
+        after_encode = model_detail(url)["router"]["embedding_bytes_received"]
     assert after == before  # the chat path moved no embedding bytes through the router
     assert after_encode > after  # while /v1/encode, which must return them, does
     llm = serve.get_deployment_handle("LLMReplica", app_name="epd-qwen3-vl").describe.remote().result()

@@ -105,7 +105,7 @@ def test_2000_mixed_requests_at_concurrency_64_lose_nothing(serve_harness, refer
 
     def router_rss() -> float:
         start = time.perf_counter()
-        router = model_detail(httpx, url)["router"]
+        router = model_detail(url)["router"]
         models_s.append(time.perf_counter() - start)
         return router["private_mb"]
 
@@ -232,7 +232,7 @@ def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, refe
             check_good(result, reference_outputs)
         else:
             assert "encoder replica failed" in result["body"]["error"]["message"]
-    router = model_detail(httpx, url)["router"]
+    router = model_detail(url)["router"]
     stats = router["packs"]
     write_result(
         "cpu_fault_kill_replica.json",
@@ -260,12 +260,12 @@ def test_a_result_lost_with_its_replica_is_encoded_again_over_http(serve_harness
     whose read fails, and the router encodes it once more: 200 and transformers' answer, not 503."""
     url = deploy_faults(serve_harness)
     body = {"items": [{"type": "image", "image": base64.b64encode(POOL[5]).decode()}], "cache": True}
-    with httpx.Client(timeout=60) as client:
+    with httpx.Client(timeout=60, headers={"Authorization": "Bearer one-tenant"}) as client:  # one cache scope
         assert client.post(url + "/v1/encode", json=body).status_code == 200
         kill_encoders_and_wait_for_replacements(serve_harness, url)
-        before = model_detail(client, url)["router"]
+        before = model_detail(url)["router"]
         again = client.post(url + "/v1/encode", json=body)
-        after = model_detail(client, url)["router"]
+        after = model_detail(url)["router"]
     check_good({"status": again.status_code, "picks": [5], "body": again.json()}, reference_outputs)
     grew = {k: after["cache"][k] - before["cache"][k] for k in ("hits", "misses")}
     assert grew == {"hits": 1, "misses": 1}  # a hit whose read failed, then encoded
@@ -281,12 +281,11 @@ def test_a_handle_request_never_gets_a_cached_result_of_a_dead_replica(serve_har
     handle = serve.get_app_handle("faults")
     first = handle.encode.remote([POOL[7]], cache=True).result()
     assert relative_error(first[0].embedding, reference_outputs[7]) <= 1e-4
-    with httpx.Client(timeout=60) as client:
-        kill_encoders_and_wait_for_replacements(serve_harness, url)
-        before = model_detail(client, url)["router"]["cache"]
-        again = handle.encode.remote([POOL[7]], cache=True).result()
-        assert relative_error(again[0].embedding, reference_outputs[7]) <= 1e-4  # readable: encoded anew
-        after = model_detail(client, url)["router"]["cache"]
+    kill_encoders_and_wait_for_replacements(serve_harness, url)
+    before = model_detail(url)["router"]["cache"]
+    again = handle.encode.remote([POOL[7]], cache=True).result()
+    assert relative_error(again[0].embedding, reference_outputs[7]) <= 1e-4  # readable: encoded anew
+    after = model_detail(url)["router"]["cache"]
     assert after["misses"] == before["misses"] + 1 and after["hits"] == before["hits"]
 
 
@@ -300,12 +299,13 @@ def test_a_handle_result_whose_replica_died_before_it_was_read_is_a_clear_503(se
 
     from deployments.errors import RequestError
     from deployments.results import EncodeResult
+    from deployments.wire import item_to_wire
     from models.protocol import ItemOutput
 
     @ray.remote(num_cpus=0)
     class Store:
         def put(self):
-            return os.getpid(), [ray.put(ItemOutput(torch.ones(4, 8)))]
+            return os.getpid(), [ray.put(item_to_wire(ItemOutput(torch.ones(4, 8))))]
 
     store = Store.remote()  # held: a dropped handle would end the actor on its own
     pid, [ref] = ray.get(store.put.remote())
@@ -338,7 +338,7 @@ def test_backpressure_answers_503_with_retry_after_and_timeouts_504(serve_harnes
     assert refused.status_code == 503 and refused.headers["Retry-After"] == "2"
     assert "max_queued_tokens=300" in refused.json()["error"]["message"]
     assert timed_out.status_code == 504 and "request_timeout_s=0.003" in timed_out.json()["error"]["message"]
-    rejected = model_detail(httpx, url)["router"]["rejected"]
+    rejected = model_detail(url)["router"]["rejected"]
     assert rejected["overloaded"] >= 1 and rejected["timeout"] >= 1
 
 
@@ -349,7 +349,7 @@ def test_clients_that_leave_are_counted_and_their_sent_packs_withdrawn(serve_har
     request is counted as disconnected, and the service goes on serving."""
     url = serve_harness.deploy("configs/local.yaml")
     port = int(url.rsplit(":", 1)[1].split("/")[0])
-    detail = model_detail(httpx, url)
+    detail = model_detail(url)
     before, ran_before = detail["router"], detail["replica"]["merged_packs"]
     body = json.dumps({"items": [{"type": "image", "image": base64.b64encode(HEAVY).decode()}] * 4, "cache": False})
     head = "POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -360,26 +360,26 @@ def test_clients_that_leave_are_counted_and_their_sent_packs_withdrawn(serve_har
         client.sendall(head.encode() + body.encode())
         clients.append(client)
     deadline = time.monotonic() + 30
-    while model_detail(httpx, url)["router"]["packs"]["packs"] - before["packs"]["packs"] < 2:
+    while model_detail(url)["router"]["packs"]["packs"] - before["packs"]["packs"] < 2:
         assert time.monotonic() < deadline, "the requests' packs were not sent"
         time.sleep(0.02)
     for client in clients:  # one pack computing, one waiting at the replica, the rest in the router
         client.close()
     deadline, after = time.monotonic() + 60, before
     while time.monotonic() < deadline:
-        after = model_detail(httpx, url)["router"]
+        after = model_detail(url)["router"]
         if after["rejected"].get("disconnected", 0) - before["rejected"].get("disconnected", 0) >= 6:
             break
         time.sleep(0.5)
     time.sleep(1.0)  # a late second count of one of them would show
-    after = model_detail(httpx, url)["router"]
+    after = model_detail(url)["router"]
     assert after["rejected"].get("disconnected", 0) - before["rejected"].get("disconnected", 0) == 6
     assert after["packs"]["abandoned_packs"] - before["packs"]["abandoned_packs"] >= 1
     with httpx.Client(timeout=60) as client:
         image = {"type": "image", "image": base64.b64encode(POOL[0]).decode()}
         small = client.post(url + "/v1/encode", json={"items": [image]})
     assert small.status_code == 200
-    detail = model_detail(httpx, url)
+    detail = model_detail(url)
     sent = detail["router"]["packs"]["packs"] - before["packs"]["packs"]
     ran = detail["replica"]["merged_packs"] - ran_before
     assert ran <= sent - 1  # the replica never ran a withdrawn pack

@@ -129,3 +129,70 @@ def test_64_concurrent_requests_log_no_routing_retries_and_no_access_lines(serve
     logs = serve_logs_since(sizes)
     assert "Failed to route request" not in logs
     assert "POST /v1/encode" not in logs  # per-request access lines are opt-in (router.log_requests)
+
+
+def test_health_answers_at_once_while_32_clients_poll_the_model_detail(serve_harness):
+    """`/v1/models/{id}` costs the router's event loop next to nothing (no replica call, no memory
+    scan): `/health` stays under a second while 32 clients poll it as fast as they can."""
+    import threading
+
+    import httpx
+
+    url = serve_harness.deploy("configs/local.yaml")
+    with serve_harness.http() as client:
+        model_id = client.get(url + "/v1/models").json()["data"][0]["id"]
+    stop, polled = threading.Event(), []
+
+    def poll() -> None:
+        with httpx.Client(timeout=30) as poller:
+            while not stop.is_set():
+                polled.append(poller.get(f"{url}/v1/models/{model_id}").status_code)
+
+    threads = [threading.Thread(target=poll) for _ in range(32)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(2)
+        waits = []
+        with serve_harness.http() as client:
+            for _ in range(10):
+                start = time.perf_counter()
+                assert client.get(url + "/health").status_code == 200
+                waits.append(time.perf_counter() - start)
+                time.sleep(0.2)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert len(polled) > 100 and set(polled) == {200}
+    assert max(waits) < 1.0, waits
+
+
+def test_the_operators_detail_is_computed_once_for_every_poller_at_a_time():
+    """With `router.expose_detail`, pollers arriving together share one computation of `detail()`,
+    and later ones reuse it for `DETAIL_TTL_S`."""
+    import asyncio
+
+    from deployments.router import DETAIL_TTL_S, EncoderRouter
+
+    router = object.__new__(EncoderRouter)
+    router._detail, router._detail_task = None, None
+    computed = []
+
+    async def detail() -> dict:
+        computed.append(len(computed))
+        await asyncio.sleep(0.05)
+        return {"encoder": {"n": len(computed)}}
+
+    router.detail = detail
+
+    async def main():
+        together = await asyncio.gather(*(router._detail_snapshot() for _ in range(32)))
+        again = await router._detail_snapshot()
+        router._detail = (time.monotonic() - DETAIL_TTL_S, router._detail[1])  # expired
+        later = await router._detail_snapshot()
+        return together, again, later
+
+    together, again, later = asyncio.run(main())
+    assert all(d == {"encoder": {"n": 1}} for d in together) and again == together[0]
+    assert later == {"encoder": {"n": 2}} and len(computed) == 2

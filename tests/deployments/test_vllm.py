@@ -30,7 +30,7 @@ from transformers import AutoProcessor
 
 from deployments.chat import result_within
 from deployments.errors import RequestError
-from deployments.llm import GenerateRequest
+from deployments.wire import GenerateRequest, item_to_wire
 from models.protocol import ItemOutput
 from models.tiny_checkpoint import save_tiny_vlm
 from tests.deployments.media_helpers import pattern
@@ -192,7 +192,7 @@ def test_video_embeddings_from_our_encoder_equal_vllm_from_frames(app, reference
     fps = VIDEO_FPS[family]
     request = GenerateRequest(
         messages=video_messages(),
-        embeddings=[ray.put(ItemOutput(encoded.embedding, encoded.deepstack))],
+        embeddings=[ray.put(item_to_wire(ItemOutput(encoded.embedding, encoded.deepstack)))],
         grids=[encoded.grid_thw],
         max_tokens=MAX_TOKENS,
         frame_seconds=[[index / fps for index in range(len(VIDEO_FRAMES))]],

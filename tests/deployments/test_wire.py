@@ -1,19 +1,26 @@
 """What travels through Ray's object store: packs of pixels to a replica, item outputs back.
 
 Ray pickles with protocol 5 and keeps out-of-band buffers out of the pickle stream (written
-once into shared memory, read without a copy). Tensors must travel as such buffers, and an
-item sliced from a pack must carry only its own bytes.
+once into shared memory, read without a copy). Tensors must travel as such buffers, an item
+sliced from a pack must carry only its own bytes, and reading an item must run nothing but
+numpy's own unpickling (no code of ours inside Ray's deserialization).
 """
 
+import json
 import pickle
+import pickletools
+import subprocess
+import sys
 from types import SimpleNamespace
 
+import numpy as np
+import pytest
 import torch
 
-from deployments import encoder as encoder_module
-from deployments.encoder import PackRequest
-from deployments.results import owned
+from deployments import wire
+from deployments.wire import PackRequest, item_from_wire, item_nbytes, item_to_wire
 from models.protocol import ItemOutput, ItemSpec
+from tests.serve_harness import ROOT
 
 
 def pickled(value) -> tuple[object, int, int]:
@@ -23,15 +30,68 @@ def pickled(value) -> tuple[object, int, int]:
     return pickle.loads(stream, buffers=buffers), len(stream), sum(b.raw().nbytes for b in buffers)
 
 
-def test_an_item_output_carries_its_own_rows_out_of_band_in_its_dtype():
+def read_only_buffers(value) -> object:
+    """A round trip whose out-of-band buffers are read-only, as Ray's object store hands them out."""
+    buffers = []
+    stream = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    return pickle.loads(stream, buffers=[memoryview(b.raw()).toreadonly() for b in buffers])
+
+
+def test_an_item_carries_its_own_rows_out_of_band_in_its_dtype():
     pack_tokens = torch.randn(300, 64).to(torch.bfloat16)
     pack_deepstack = torch.randn(3, 300, 64).to(torch.bfloat16)
     item = ItemOutput(pack_tokens[100:150], pack_deepstack[:, 100:150])  # views of the pack
-    back, in_band, out_of_band = pickled(item)
+    back, in_band, out_of_band = pickled(item_to_wire(item))
     assert out_of_band == (50 * 64 + 3 * 50 * 64) * 2  # the item's rows, not the pack's storage
-    assert in_band < 1024
-    assert back.tokens.dtype == torch.bfloat16 and torch.equal(back.tokens, item.tokens)
-    assert torch.equal(back.deepstack, item.deepstack)
+    assert in_band < 1024 and item_nbytes(back) == out_of_band
+    read = item_from_wire(back)
+    assert read.tokens.dtype == torch.bfloat16 and torch.equal(read.tokens, item.tokens)
+    assert torch.equal(read.deepstack, item.deepstack)
+    float_item = ItemOutput(torch.randn(7, 16), None)
+    again = item_from_wire(pickled(item_to_wire(float_item))[0])
+    assert (
+        again.deepstack is None and again.tokens.dtype == torch.float32 and torch.equal(again.tokens, float_item.tokens)
+    )
+
+
+def test_reading_an_item_runs_numpy_alone():
+    """The pickle stream of an item names nothing but numpy's reconstruction (no class or function of
+    ours, no torch), and unpickling it in a process without torch imports neither torch nor this project."""
+    item = ItemOutput(torch.randn(20, 8).to(torch.bfloat16), torch.randn(3, 40, 8).to(torch.bfloat16)[:, 10:30])
+    buffers = []
+    stream = pickle.dumps(item_to_wire(item), protocol=5, buffer_callback=buffers.append)
+    strings = [arg for op, arg, _ in pickletools.genops(stream) if op.name in ("SHORT_BINUNICODE", "BINUNICODE")]
+    named = {s for s in strings if "." in s or s.startswith("_")}
+    assert all(s.startswith("numpy") or s.startswith("_") for s in named), named
+    assert not any("deployments" in s or "models" in s or "torch" in s for s in strings), strings
+    data = [stream.hex(), [bytes(b.raw()).hex() for b in buffers]]
+    code = (
+        "import json, pickle, sys; stream, buffers = json.load(sys.stdin); "
+        "value = pickle.loads(bytes.fromhex(stream), buffers=[bytes.fromhex(b) for b in buffers]); "
+        "print(json.dumps([sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deployments', 'models')), "
+        "value['dtype'], list(value['tokens'].shape), len(value['deepstack'])]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], input=json.dumps(data), capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    assert json.loads(done.stdout) == [[], "bfloat16", [20, 8], 3]
+
+
+def test_a_reader_cannot_write_the_stored_item_and_a_copy_is_its_own():
+    """What `ray.get` gives is read-only (the pages every reader shares); `copy=True` is the caller's
+    own memory, writable without changing what the next reader gets."""
+    item = ItemOutput(torch.randn(50, 64).to(torch.bfloat16), torch.randn(3, 80, 64).to(torch.bfloat16)[:, 10:60])
+    stored = read_only_buffers(item_to_wire(item))
+    with pytest.raises(ValueError, match="read-only"):
+        stored["tokens"].fill(7)
+    with pytest.raises(ValueError):
+        stored["tokens"].setflags(write=True)
+    mine = item_from_wire(stored, copy=True)
+    mine.tokens.fill_(7.0)
+    mine.deepstack.fill_(7.0)
+    view = item_from_wire(stored)  # what the service's own readers take: no copy
+    assert torch.equal(view.tokens, item.tokens) and torch.equal(view.deepstack, item.deepstack)
+    assert view.tokens.data_ptr() == np.asarray(stored["tokens"]).ctypes.data
 
 
 def test_a_pack_carries_its_pixels_out_of_band():
@@ -58,7 +118,7 @@ def test_a_packs_router_figures_travel_as_state_an_earlier_replica_ignores(monke
     def earlier(pack_id, modality, pixels, specs, requests=1):  # the rebuild before these fields
         return SimpleNamespace(pack_id=pack_id)
 
-    monkeypatch.setattr(encoder_module, "_pack_from_wire", earlier)
+    monkeypatch.setattr(wire, "_pack_from_wire", earlier)
     assert pickle.loads(data).pack_id == 3
 
 
@@ -69,29 +129,11 @@ def test_an_items_deepstack_levels_go_out_of_band_without_a_copy():
     pack_deepstack = torch.randn(3, 300, 64).to(torch.bfloat16)
     item = ItemOutput(torch.zeros(50, 64), pack_deepstack[:, 100:150])
     buffers = []
-    pickle.dumps(item, protocol=5, buffer_callback=buffers.append)
+    pickle.dumps(item_to_wire(item), protocol=5, buffer_callback=buffers.append)
     start = pack_deepstack.data_ptr()
     end = start + pack_deepstack.nbytes
     inside = [b for b in buffers if start <= memoryview(b.raw()).obj.__array_interface__["data"][0] < end]
     assert len(inside) == 3
-
-
-def test_a_caller_owns_its_result_after_one_copy():
-    """`owned` copies what shares the object store's pages (the tokens, read in place) and keeps
-    what reading already copied (the deepstack, stacked from its levels); either way, writing to
-    the caller's tensors changes nothing another reader sees."""
-    pack_deepstack = torch.randn(3, 300, 64).to(torch.bfloat16)
-    back, _, _ = pickled(ItemOutput(torch.randn(50, 64).to(torch.bfloat16), pack_deepstack[:, 100:150]))
-    mine = owned(back)
-    assert mine.deepstack is back.deepstack and mine.tokens.data_ptr() != back.tokens.data_ptr()
-    assert mine.tokens.dtype == torch.bfloat16 and torch.equal(mine.tokens, back.tokens)
-    assert mine.tokens.untyped_storage().resizable() and owned(mine).tokens is mine.tokens  # copied once
-    mine.tokens.zero_()
-    assert back.tokens.abs().sum() > 0  # the shared copy is untouched
-    whole, _, _ = pickled(ItemOutput(torch.randn(50, 64), torch.randn(3, 50, 64)))  # one block: read in place
-    copied = owned(whole)
-    assert copied.deepstack.data_ptr() != whole.deepstack.data_ptr()
-    assert torch.equal(copied.deepstack, whole.deepstack) and torch.equal(copied.tokens, whole.tokens)
 
 
 def test_fetch_gives_the_caller_its_own_copy_large_or_small(serve_harness, monkeypatch):
@@ -108,11 +150,11 @@ def test_fetch_gives_the_caller_its_own_copy_large_or_small(serve_harness, monke
 
     copied_on = []
 
-    def recording_owned(output):
+    def recording(value, copy=False):
         copied_on.append(threading.get_ident())
-        return owned(output)
+        return item_from_wire(value, copy)
 
-    monkeypatch.setattr(results, "owned", recording_owned)
+    monkeypatch.setattr(results, "item_from_wire", recording)
 
     async def fetch_twice(result):
         await result.fetch()
@@ -122,15 +164,14 @@ def test_fetch_gives_the_caller_its_own_copy_large_or_small(serve_harness, monke
 
     for rows, threaded in ((8, False), (THREAD_COPY_BYTES // (4 * 256 * 2) + 1, True)):  # bf16, 4 blocks
         stored = ItemOutput(torch.randn(rows, 256).to(torch.bfloat16), torch.randn(3, rows, 256).to(torch.bfloat16))
-        ref = ray.put(stored)
+        ref = ray.put(item_to_wire(stored))
         result = EncodeResult(0, "image", (1, 2, 2), rows, ref)
         copied_on.clear()
         loop_thread, first = asyncio.run(fetch_twice(result))
         assert len(copied_on) == 1 and (copied_on[0] != loop_thread) == threaded
         assert result.embedding is first
         assert torch.equal(result.embedding, stored.tokens) and torch.equal(result.deepstack, stored.deepstack)
-        assert result.embedding.untyped_storage().resizable() and result.deepstack.untyped_storage().resizable()
         result.embedding.zero_()
         result.deepstack.zero_()
-        again = ray.get(ref)
+        again = item_from_wire(ray.get(ref))
         assert torch.equal(again.tokens, stored.tokens) and torch.equal(again.deepstack, stored.deepstack)
