@@ -1,26 +1,34 @@
 """Compile once per cluster: what torch.compile produced, kept in a directory replicas share.
 
 `GraphConfig.compile_cache` names a directory (shared storage on a real cluster). Under it, one
-subdirectory per key (`cache_key`: the model and its attention kernel, the graph layouts and
-dynamic-shape setting, torch, Triton, CUDA and the GPU) holds:
+subdirectory per signing key (`cache_trust.Signer.key_id`), and under that one per cache key
+(`cache_key`: the model and its attention kernel, the graph layouts and dynamic-shape setting,
+torch, Triton, CUDA and the GPU) holds:
 
 - `artifacts.bin`: PyTorch's portable "mega-cache" (`torch.compiler.save_cache_artifacts`):
   inductor's compiled graphs with their Triton kernels, AOTAutograd's entries and autotuning
   results. Loaded (`torch.compiler.load_cache_artifacts`) before the first compile, it turns
   every compile of a `dynamic=True` forward that matches into a cache hit: dynamo still traces,
   inductor and Triton do not run. Saved at the end of the warm-up when this process compiled
-  something the file lacked.
+  something the file lacked, or found none it could trust.
 - `warmup-<fingerprint>.json`: the warm-up record (`warmup_record.py`): each graph's check and
   replay time, one file per code version and check settings.
-- `triton/`: `TRITON_CACHE_DIR` (unless already set) for the Triton kernels launched inside our
-  opaque custom ops (the varlen attention kernel), which inductor's artifacts do not cover.
 
-Writes are safe for concurrent replicas: the artifacts go to a temporary file renamed over the
-old one (`os.replace` is atomic), and Triton writes its own cache the same way.
+Both are code or steer code, so both are signed (`cache_trust.py`): a file not signed with this
+replica's key is refused before torch or a parser sees a byte of it (one warning naming the file
+and why), and the replica compiles as if the cache were empty, then saves a signed one. Triton's
+own cache (the kernels of our custom ops, such as the varlen attention kernel, which inductor's
+artifacts do not cover; it holds launchers that are loaded as shared libraries) is left where
+Triton keeps it, on the node (`TRITON_CACHE_DIR`, default `~/.triton/cache`): a new node
+compiles those few kernels itself.
+
+Writes are safe for concurrent replicas: each file goes to a temporary file renamed over the old
+one (`os.replace` is atomic), signature and bytes in one file.
 
 Pre-build the cache for a deployment before scaling it out, on one GPU of the kind that will
-serve (the key includes the GPU): `python -m deployments.compile_cache --config configs/gpu.yaml`
-(with `graphs.compile: true` and `graphs.compile_cache` set in that config's args).
+serve (the key includes the GPU), with the key the replicas will use:
+`python -m deployments.compile_cache --config configs/gpu.yaml` (with `graphs.compile: true`,
+`graphs.compile_cache` and, for a cluster, `graphs.compile_cache_key_file` set in its args).
 """
 
 from __future__ import annotations
@@ -31,11 +39,14 @@ import json
 import logging
 import os
 import platform
+import stat
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+
+from .cache_trust import Signer, Untrusted
 
 logger = logging.getLogger(__name__)
 
@@ -94,45 +105,104 @@ def _misses() -> int:
     return counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
 
 
-class CompileCache:
-    """One key's directory under a compile cache root."""
+def _plain_name(name: str) -> str:
+    """`name` where it is one path component of our own making; raises ValueError otherwise."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ValueError(f"not a plain file name: {name!r}")
+    return name
 
-    def __init__(self, root: str | os.PathLike, key: str):
-        self.path = Path(root).expanduser() / key
+
+def _read_regular(path: Path, max_bytes: int | None) -> bytes:
+    """The bytes of the regular file `path` (not a link, a FIFO or a device, which could hang a read
+    or never end); raises OSError or `Untrusted`."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(descriptor, "rb") as file:
+        found = os.fstat(descriptor)
+        if not stat.S_ISREG(found.st_mode):
+            raise Untrusted("not a regular file")
+        if max_bytes is not None and found.st_size > max_bytes:
+            raise Untrusted(f"larger than {max_bytes} bytes")
+        return file.read() if max_bytes is None else file.read(max_bytes + 1)
+
+
+class CompileCache:
+    """One cache key's directory under a compile cache root, its files signed with `signer`."""
+
+    def __init__(self, root: str | os.PathLike, key: str, signer: Signer | None):
+        """`signer`: the key our files are signed with (`cache_trust.signer`); None (no usable
+        key): nothing is loaded or saved."""
+        self.root = Path(root).expanduser()
+        self.key = _plain_name(key)
+        self.signer = signer
+        self.path = self.root / (self.signer.key_id if self.signer is not None else "unsigned") / key
         self._misses_at_load: int | None = None
+        self._loaded_trusted = False
+        """`load` found artifacts signed with our key (else `save` replaces whatever is there)."""
 
     @property
     def artifacts(self) -> Path:
         return self.path / ARTIFACTS
 
-    def activate(self) -> None:
-        """Point Triton's own cache here (before any Triton kernel compiles), unless the
-        environment already chose a directory."""
-        if "TRITON_CACHE_DIR" not in os.environ:
-            (self.path / "triton").mkdir(parents=True, exist_ok=True)
-            os.environ["TRITON_CACHE_DIR"] = str(self.path / "triton")
+    def read(self, name: str, max_bytes: int | None = None) -> bytes | None:
+        """The bytes of our file `name` in this directory, its signature checked before anything
+        else reads them; None where there is none (silently), or it is unreadable, larger than
+        `max_bytes` or not signed with our key (one warning naming the file and why)."""
+        if self.signer is None:
+            return None
+        path = self.path / _plain_name(name)
+        try:
+            return self.signer.verify(f"{self.key}/{name}", _read_regular(path, max_bytes))
+        except FileNotFoundError:
+            return None
+        except (OSError, Untrusted) as error:
+            logger.warning("compile cache file %s refused: %s; going on as if it were absent", path, error)
+            return None
+
+    def write(self, name: str, data: bytes) -> bool:
+        """Save `data` as our file `name`, signed, atomically; False where it was not saved
+        (no key, or storage refused: logged)."""
+        if self.signer is None:
+            return False
+        return write_atomically(self.path / _plain_name(name), self.signer.sign(f"{self.key}/{name}", data))
+
+    def remove(self, name: str) -> None:
+        """Remove our file `name` (logged where storage refuses)."""
+        try:
+            (self.path / _plain_name(name)).unlink(missing_ok=True)
+        except OSError as error:
+            logger.warning("%s not removed: %s", self.path / name, error)
 
     def load(self) -> int:
-        """Load the saved artifacts into this process's caches; the number loaded (0: none)."""
+        """Load the saved artifacts into this process's caches, once their signature is checked;
+        the number loaded (0: none, or none trusted)."""
         self._misses_at_load = _misses()
-        if not self.artifacts.is_file():
+        self._loaded_trusted = False
+        data = self.read(ARTIFACTS)
+        if data is None:
             return 0
-        info = torch.compiler.load_cache_artifacts(self.artifacts.read_bytes())
+        try:
+            info = torch.compiler.load_cache_artifacts(data)
+        except Exception as error:  # noqa: BLE001 - ours, yet unusable here: compile instead
+            logger.warning("compile cache %s could not be loaded (%s); compiling anew", self.artifacts, error)
+            return 0
         if info is None:
             logger.warning("compile cache %s could not be read; compiling anew", self.artifacts)
             return 0
+        self._loaded_trusted = True
         return sum(len(found) for found in info.artifacts.values())
 
     def save(self) -> bool:
-        """Save this process's artifacts when the file is missing or this process compiled
-        something anew since `load`; atomic (temporary file, then rename). False where nothing was
-        saved (a storage error is logged)."""
-        if self.artifacts.is_file() and self._misses_at_load is not None and _misses() == self._misses_at_load:
+        """Save this process's artifacts, signed, unless `load` found ours and nothing was
+        compiled anew since; atomic (temporary file, then rename). False where nothing was saved
+        (a storage error is logged)."""
+        if self.signer is None:
+            return False
+        if self._loaded_trusted and self._misses_at_load is not None and _misses() == self._misses_at_load:
             return False
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
             return False
-        if not write_atomically(self.artifacts, saved[0]):
+        if not self.write(ARTIFACTS, saved[0]):
             return False
         logger.info("saved %d bytes of compiled artifacts to %s", len(saved[0]), self.artifacts)
         return True

@@ -73,7 +73,13 @@ class GraphConfig:
     compile_cache: str | None = None
     """Directory (shared storage on a cluster) where compiled artifacts are kept, keyed by model,
     layouts, torch, Triton and GPU, so later replicas and restarts load them instead of compiling.
-    Null: no cache beyond torch's local one."""
+    Null: no cache beyond torch's local one. Only files signed with the service's key are loaded
+    (`compile_cache_key_file`); others are ignored and compiled anew."""
+    compile_cache_key_file: str | None = None
+    """With `compile_cache`: a file holding the key (at least 32 bytes, e.g. `openssl rand -hex 32`)
+    that signs the cache's files, the same on every node (a mounted secret), so that replicas on
+    all nodes trust what any of them saved. Null: each node generates its own key
+    (`$XDG_STATE_HOME/vlm-encoder-serve/compile-cache.key`, mode 0600) and trusts only its own files."""
     reuse_checks: bool = True
     """With `compile_cache`: a start whose cache holds the record of an earlier warm-up of the same
     graphs, code, settings and environment captures each graph without checking and timing it again
@@ -111,6 +117,12 @@ class GraphConfig:
         )
         _require(
             self.compile_cache is None or self.compile_cache != "", "compile_cache", "must be a directory or null", ""
+        )
+        _require(
+            self.compile_cache_key_file is None or self.compile_cache_key_file != "",
+            "compile_cache_key_file",
+            "must be a file or null",
+            "",
         )
 
 

@@ -24,6 +24,7 @@ import torch
 
 from models.protocol import EncoderOutput, ItemOutput, ItemSpec, VisionEncoder
 
+from .cache_trust import signer
 from .capture import GraphCapture
 from .compile_cache import CompileCache, cache_key, environment
 from .config import GraphConfig, Ladder, budget_ladder
@@ -103,7 +104,8 @@ class EncoderRunner:
             "cuda_graphs": self.use_graphs,
             "compile_exact": self.config.compile_exact,
         }
-        return CompileCache(root, cache_key(self.encoder.compile_identity(), layouts, environment(self.device)))
+        key = cache_key(self.encoder.compile_identity(), layouts, environment(self.device))
+        return CompileCache(root, key, signer(self.config.compile_cache_key_file, root))
 
     @property
     def entries(self) -> dict[GraphKey, GraphEntry]:

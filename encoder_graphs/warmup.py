@@ -130,8 +130,6 @@ class WarmUp:
         """Memory check (CUDA graphs), the eager path checked on a reference pack: seconds."""
         start = time.perf_counter()
         runner = self.runner
-        if runner.compile_cache is not None:
-            runner.compile_cache.activate()
         if runner.forwards.compiled is not None:
             raise_recompile_limits(len(runner.table.entries))
         if runner.use_graphs:
@@ -209,7 +207,7 @@ class WarmUp:
         if not (runner.config.reuse_checks and runner.compile_cache is not None and self._checks):
             return None
         found = self._fingerprint()
-        return None if found is None else load_record(runner.compile_cache.path, runner.table.entries, found)
+        return None if found is None else load_record(runner.compile_cache, runner.table.entries, found)
 
     def _save_record(self) -> None:
         """Record this warm-up's checks and timings for later starts (only where it made them all)."""
@@ -221,7 +219,7 @@ class WarmUp:
             return
         exact_rows = runner.exact.min_rows if self.exact_ok else None
         record = WarmupRecord(graph_times(runner.table.entries), dict(runner.costs.startup), exact_rows, found)
-        saved = save_record(runner.compile_cache.path, record)
+        saved = save_record(runner.compile_cache, record)
         if saved is not None:
             logger.info("saved the warm-up record %s", saved)
 
@@ -231,7 +229,7 @@ class WarmUp:
         record = self._record
         if record is not None and record.graphs.get(entry.key) is not None:
             logger.warning("graph %s, captured on the warm-up record, failed its first pack: record removed", entry.key)
-            forget(self.runner.compile_cache.path, record.fingerprint)
+            forget(self.runner.compile_cache, record.fingerprint)
 
     def _recorded_ms(self, entry: GraphEntry) -> float | None:
         """The entry's replay ms from the record (None: no record, or it refused the graph then)."""

@@ -3,29 +3,37 @@ startup cost curves, the exact route's verdict), kept beside the compiled artifa
 (`compile_cache.py`), so that a later replica or restart captures its graphs without checking and
 timing each one again. A record is named by a fingerprint of the code and settings it was made
 with; another fingerprint's is not used. Every graph is still checked on the first real pack it
-serves, and a mismatch there removes the record."""
+serves, and a mismatch there removes the record.
+
+A record steers what goes live unchecked, so it is signed like the artifacts beside it
+(`CompileCache.read`): one not signed with our key, or one that does not read back whole with
+every value in range, is ignored (one warning) and the warm-up checks every graph."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .compile_cache import write_atomically
+from .compile_cache import CompileCache
 from .entry import GraphKey
 
 logger = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2
 PACKAGES = ("encoder_graphs", "models")
 """The packages whose sources a record's checks depend on (the forwards, the capture, the check)."""
 
 
 def record_name(fingerprint: str) -> str:
-    """One file per fingerprint: replicas of two code versions (a rolling upgrade) keep their own."""
+    """One file per fingerprint: replicas of two code versions (a rolling upgrade) keep their own.
+    A fingerprint is hex (`fingerprint`): nothing else names a file."""
+    if not fingerprint or not all(c in "0123456789abcdef" for c in fingerprint):
+        raise ValueError(f"a fingerprint is hex digits, got {fingerprint!r}")
     return f"warmup-{fingerprint}.json"
 
 
@@ -47,6 +55,24 @@ def fingerprint(settings: Mapping[str, object], roots: Iterable[Path] | None = N
     return digest.hexdigest()[:20] if found else None
 
 
+def _count(value: object, what: str, least: int) -> int:
+    """`value` where it is an int (not a bool) >= `least`; raises ValueError naming `what`."""
+    if type(value) is not int or value < least:
+        raise ValueError(f"{what} must be an integer >= {least}, got {value!r}")
+    return value
+
+
+def _ms(value: object, what: str) -> float:
+    """`value` where it is a finite, non-negative number of milliseconds; raises ValueError."""
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} must be a finite number of ms >= 0, got {value!r}")
+    return float(value)
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number a record holds")
+
+
 @dataclass(frozen=True)
 class WarmupRecord:
     """What one warm-up found, every graph of its table checked (pure data)."""
@@ -61,58 +87,93 @@ class WarmupRecord:
     fingerprint: str = ""
 
     def to_json(self) -> str:
-        return json.dumps(
+        """Standard JSON: a graph not timed has `replay_ms` null, one not live `live` false."""
+        graphs = [
             {
-                "version": VERSION,
-                "fingerprint": self.fingerprint,
-                "graphs": [[budget, seqlen, ms] for (budget, seqlen), ms in sorted(self.graphs.items())],
-                "costs": {route: [list(point) for point in points] for route, points in sorted(self.costs.items())},
-                "exact_min_rows": self.exact_min_rows,
-            },
-            indent=1,
-        )
+                "budget": budget,
+                "max_seqlen": seqlen,
+                "live": ms is not None,
+                "replay_ms": ms if ms is not None and math.isfinite(ms) else None,
+            }
+            for (budget, seqlen), ms in sorted(self.graphs.items())
+        ]
+        blob = {
+            "version": VERSION,
+            "fingerprint": self.fingerprint,
+            "graphs": graphs,
+            "costs": {route: [list(point) for point in points] for route, points in sorted(self.costs.items())},
+            "exact_min_rows": self.exact_min_rows,
+        }
+        return json.dumps(blob, indent=1, allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str) -> WarmupRecord:
-        """Raises ValueError (or KeyError, TypeError, AttributeError) on a record this version cannot read."""
-        blob = json.loads(text)
+        """The record in `text`, every value checked (types; counts >= 1; times finite and >= 0).
+        Raises ValueError, or another exception on a record this version cannot read (a caller
+        catches any)."""
+        blob = json.loads(text, parse_constant=_refuse_constant)
         if not isinstance(blob, dict) or blob.get("version") != VERSION:
             raise ValueError(f"not a warm-up record of version {VERSION}")
-        graphs = {(int(b), int(s)): (None if ms is None else float(ms)) for b, s, ms in blob["graphs"]}
-        costs = {str(r): tuple((int(t), float(ms)) for t, ms in points) for r, points in blob["costs"].items()}
+        if not isinstance(blob["fingerprint"], str) or not isinstance(blob["graphs"], list):
+            raise ValueError("fingerprint must be a string and graphs a list")
+        graphs: dict[GraphKey, float | None] = {}
+        for graph in blob["graphs"]:
+            if not isinstance(graph, dict) or set(graph) != {"budget", "max_seqlen", "live", "replay_ms"}:
+                raise ValueError(f"a graph must be budget, max_seqlen, live and replay_ms, got {graph!r}")
+            key = (_count(graph["budget"], "budget", 1), _count(graph["max_seqlen"], "max_seqlen", 1))
+            if type(graph["live"]) is not bool or key in graphs:
+                raise ValueError(f"graph {key}: live must be true or false, each graph once")
+            ms = graph["replay_ms"]
+            graphs[key] = None if not graph["live"] else math.nan if ms is None else _ms(ms, f"graph {key} replay")
+        if not isinstance(blob["costs"], dict):
+            raise ValueError("costs must be an object")
+        costs = {}
+        for route, points in blob["costs"].items():
+            if not isinstance(points, list) or not all(isinstance(p, list) and len(p) == 2 for p in points):
+                raise ValueError(f"costs {route!r} must be a list of [tokens, ms]")
+            costs[route] = tuple((_count(t, "tokens", 1), _ms(ms, f"costs {route!r}")) for t, ms in points)
         rows = blob["exact_min_rows"]
-        return cls(graphs, costs, None if rows is None else int(rows), str(blob["fingerprint"]))
+        return cls(graphs, costs, None if rows is None else _count(rows, "exact_min_rows", 1), blob["fingerprint"])
 
 
-def load(directory: Path, keys: Iterable[GraphKey], fingerprint: str) -> WarmupRecord | None:
-    """The record in `directory` made with `fingerprint` for exactly these graphs, if there is one."""
-    path = Path(directory) / record_name(fingerprint)
-    if not path.is_file():
+MAX_RECORD_BYTES = 16 * 2**20
+"""A record is a few KiB: a larger file is refused before it is read."""
+
+
+def load(cache: CompileCache, keys: Iterable[GraphKey], fingerprint: str) -> WarmupRecord | None:
+    """The record in `cache` made with `fingerprint` for exactly these graphs, if there is one
+    signed with our key (`CompileCache.read`) that reads back whole. Any other (unsigned, altered,
+    unreadable, out of range) is ignored, with one warning: every graph is then checked."""
+    name = record_name(fingerprint)
+    data = cache.read(name, MAX_RECORD_BYTES)
+    if data is None:
         return None
     try:
-        record = WarmupRecord.from_json(path.read_text())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        logger.warning("warm-up record %s could not be read (%s); every graph is checked", path, error)
+        record = WarmupRecord.from_json(data.decode())
+    except Exception as error:  # noqa: BLE001 - whatever a bad record raises (RecursionError too), it is ignored
+        logger.warning("warm-up record %s ignored (%s); every graph is checked", cache.path / name, error)
         return None
     if record.fingerprint != fingerprint or set(record.graphs) != set(keys):
-        logger.info("warm-up record %s is for other graphs; every graph is checked", path)
+        logger.info("warm-up record %s is for other graphs; every graph is checked", cache.path / name)
         return None
     return record
 
 
-def save(directory: Path, record: WarmupRecord) -> Path | None:
-    """Write `record` atomically; None where it could not be written (logged: the warm-up goes on
-    without)."""
-    path = Path(directory) / record_name(record.fingerprint)
-    return path if write_atomically(path, record.to_json().encode()) else None
-
-
-def forget(directory: Path, fingerprint: str) -> None:
-    """Remove the record (a graph captured on it failed its first-pack check): the next start checks all."""
+def save(cache: CompileCache, record: WarmupRecord) -> Path | None:
+    """Write `record`, signed, atomically; None where it could not be written (logged: the warm-up
+    goes on without)."""
+    name = record_name(record.fingerprint)
     try:
-        (Path(directory) / record_name(fingerprint)).unlink(missing_ok=True)
-    except OSError as error:
-        logger.warning("warm-up record in %s not removed: %s", directory, error)
+        text = record.to_json()
+    except ValueError as error:  # a time that is not finite: not a record a later start could use
+        logger.warning("warm-up record %s not saved: %s", cache.path / name, error)
+        return None
+    return cache.path / name if cache.write(name, text.encode()) else None
+
+
+def forget(cache: CompileCache, fingerprint: str) -> None:
+    """Remove the record (a graph captured on it failed its first-pack check): the next start checks all."""
+    cache.remove(record_name(fingerprint))
 
 
 def graph_times(entries: Mapping[GraphKey, object]) -> dict[GraphKey, float | None]:

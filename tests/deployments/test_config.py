@@ -31,6 +31,7 @@ from models.attention import AttentionBackend
         ({"budgets": []}, "budgets"),
         ({"recurring_graphs": -1}, "recurring_graphs"),
         ({"compile_cache": 3}, "compile_cache"),
+        ({"compile_cache_key_file": ""}, "compile_cache_key_file"),
     ],
 )
 def test_bad_graph_settings_are_refused_naming_the_field(graphs, field):

@@ -342,6 +342,7 @@ def test_packs_served_during_a_background_warm_up_and_after_a_start_on_its_recor
     second runner of the same graphs captures them on that record without a checked run, and its
     packs (each graph's first one checked against eager) agree too."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))  # the node key: this test's own
     config = GraphConfig(max_budget_tokens=1024, compile_cache=str(tmp_path / "cache"))
     pre, rng = encoder.preprocessor, np.random.default_rng(7)
     packs = []

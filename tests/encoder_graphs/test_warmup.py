@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import threading
 import time
 
@@ -350,12 +351,20 @@ def test_a_later_start_captures_on_the_warm_up_record_and_checks_each_graph_on_i
     runner of the same graphs captures them without a checked run, takes the recorded times and
     the exact route's smallest pack, and checks each graph on its first real pack instead: a graph
     that went wrong in the later capture is caught there, disabled, its pack served eagerly, as
-    transformers computes it, and the record removed."""
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    transformers computes it, and the record removed. Triton's cache is left where Triton keeps it,
+    on the node: never pointed into the (shared) compile cache."""
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     encoder, reference = qwen3
     config = GraphConfig(max_budget_tokens=512, fine_budget_steps=1, compile_cache=str(tmp_path / "cache"))
     first = pipelined_runner(encoder, ReplayingCapture(), config)
     assert len(first.launched) == len(first.table.entries) and not first.warmup_status().from_record
+    assert "TRITON_CACHE_DIR" not in os.environ
+    assert [p.relative_to(tmp_path / "cache") for p in (tmp_path / "cache").rglob("*")] == [
+        first.compile_cache.path.parent.relative_to(tmp_path / "cache"),
+        first.compile_cache.path.relative_to(tmp_path / "cache"),
+        only_record(first).relative_to(tmp_path / "cache"),
+    ]
     times = {key: entry.replay_ms for key, entry in first.table.entries.items()}
     record = only_record(first)
 
@@ -380,30 +389,39 @@ def test_a_later_start_captures_on_the_warm_up_record_and_checks_each_graph_on_i
 def test_a_record_is_used_only_for_its_own_code_and_settings_and_what_it_refused_is_checked(
     qwen3, tmp_path, monkeypatch
 ):
-    """Under other code, another tolerance, with `reuse_checks` off or an unreadable record, every
-    graph is checked again; a graph the record has as refused is checked, and an exact route it
-    has as refused is checked at every budget as on a first start."""
+    """Under other code, another tolerance, with `reuse_checks` off, or with a record that is
+    unreadable (one that breaks the JSON parser too) or not signed with our key, every graph is
+    checked again and the warm-up reaches full speed; a graph the record has as refused is
+    checked, and an exact route it has as refused is checked at every budget as on a first start."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     encoder, _ = qwen3
     config = GraphConfig(max_budget_tokens=512, fine_budget_steps=1, compile_cache=str(tmp_path / "cache"))
     first = pipelined_runner(encoder, ReplayingCapture(), config)
     record = only_record(first)
-    made = json.loads(record.read_text())
+    made = json.loads(first.compile_cache.read(record.name))
     checked = len(first.launched)
 
-    def launched_after_writing(config, blob=made) -> int:
-        record.write_text(blob if isinstance(blob, str) else json.dumps(blob))
-        return len(pipelined_runner(encoder, ReplayingCapture(), config).launched)
+    def launched_after_writing(config, blob=made, signed=True) -> int:
+        text = (blob if isinstance(blob, str) else json.dumps(blob)).encode()
+        if signed:
+            first.compile_cache.write(record.name, text)
+        else:
+            record.write_bytes(text)
+        runner = pipelined_runner(encoder, ReplayingCapture(), config)
+        assert runner.warmup_status().full_speed
+        return len(runner.launched)
 
     assert launched_after_writing(config) == 0
     with monkeypatch.context() as patched:
-        patched.setattr("encoder_graphs.warmup.fingerprint", lambda settings: "other")
+        patched.setattr("encoder_graphs.warmup.fingerprint", lambda settings: "0123456789")
         assert launched_after_writing(config) == checked
     assert launched_after_writing(GraphConfig(**{**config.__dict__, "self_check_tolerance": 0.1})) == checked
     assert launched_after_writing(GraphConfig(**{**config.__dict__, "reuse_checks": False})) == checked
-    for unreadable in ("[]", "not json", json.dumps({**made, "costs": []})):
+    for unreadable in ("[]", "[" * 100000 + "]" * 100000, json.dumps({**made, "costs": []})):  # the 2nd: RecursionError
         assert launched_after_writing(config, unreadable) == checked
-    refused = {**made, "graphs": [[b, s, None if i == 1 else ms] for i, (b, s, ms) in enumerate(made["graphs"])]}
+    assert launched_after_writing(config, signed=False) == checked
+    refused = {**made, "graphs": [{**graph, "live": i != 1} for i, graph in enumerate(made["graphs"])]}
     assert launched_after_writing(config, refused) == 1
 
     from encoder_graphs.exact_route import ExactRoute
