@@ -526,7 +526,6 @@ def test_a_float_response_streams_a_block_of_rows_at_a_time(urls, serve_harness)
         assert "content-length" not in response.headers and response.headers["transfer-encoding"] == "chunked"
         assert len(content) > 40e6
         assert watch.growth_mb < ROUTER_GROWTH_MB, watch.growth_mb
-        assert watch.health_statuses == {200} and max(watch.health_s) < HEALTH_WITHIN_S, watch.health_s
     floats, base64s = json.loads(content), reference.json()
     assert [e["shape"] for e in floats["data"]] == [e["shape"] for e in base64s["data"]]
     assert floats["usage"] == base64s["usage"]
