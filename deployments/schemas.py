@@ -162,7 +162,7 @@ class ChatRequest(_Body):
 
 
 def parse_chat_request(body: dict) -> ChatRequest:
-    """A handle call's arguments as a request (400 naming the first invalid field)."""
+    """A handle call's arguments as a request (a 4xx naming the first invalid field, as over HTTP)."""
     try:
         return ChatRequest.model_validate({**body, "stream": False})
     except ValidationError as error:
