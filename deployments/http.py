@@ -1,4 +1,4 @@
-"""The FastAPI app of the router: error bodies, the request-size guard, rejection counting.
+"""The FastAPI app of the router: error bodies, the request-size guards, rejection counting.
 
 Serve pickles the ingress class by value, so module globals seen by its methods and by
 these handlers are different copies. Everything shared therefore goes through the app
@@ -17,7 +17,8 @@ from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException
 
 from .errors import RequestError
-from .schemas import ErrorResponse
+from .json_values import json_path, largest_container, values_past
+from .schemas import ErrorResponse, error_param, request_error
 
 logger = logging.getLogger("ray.serve")
 
@@ -37,13 +38,16 @@ ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 408, 413, 41
 
 
 class BodyLimit:
-    """ASGI middleware: the request body within `max_request_bytes` and `body_timeout_s`.
+    """ASGI middleware: the request body within `max_request_bytes`, `body_timeout_s` and
+    `json_value_limit(config)` values.
 
     A declared Content-Length over the limit is refused before reading; otherwise the body is
     read up to the limit (413 as soon as it passes it) and within the time limit (408: a slow
     client must not hold a request slot). The router parses the whole body anyway, so reading
-    it here first holds no more than the limit. A client that leaves, mid-upload or while its
-    response streams, is counted, not logged as an error."""
+    it here first holds no more than the limit. A JSON body is then refused for the values it
+    holds, counted on its bytes, before the framework parses it: a parsed tree and its validation
+    errors grow with the values, ~1 KB of errors per two bytes of `0,`. A client that leaves,
+    mid-upload or while its response streams, is counted, not logged as an error."""
 
     def __init__(self, app):
         self.app = app
@@ -75,6 +79,12 @@ class BodyLimit:
                 what = f"request body of more than {limits.max_request_bytes} bytes exceeds max_request_bytes"
                 return await _refuse(router, send, RequestError(413, f"{what}={limits.max_request_bytes}"))
             more = message.get("more_body", False)
+        if _is_json(scope):
+            body = b"".join(chunks)
+            chunks, limit = [body], json_value_limit(router.config)
+            past = values_past(body, limit)
+            if past is not None:
+                return await _refuse(router, send, too_many_values(body[:past], limit))
         replayed = False
 
         async def replay():
@@ -85,6 +95,45 @@ class BodyLimit:
             return await client.receive()
 
         await self.app(scope, replay, send)
+
+
+MIN_JSON_VALUES = 1 << 16
+"""The fewest JSON values a request body may hold, whatever the limits below it."""
+
+
+def json_value_limit(config) -> int:
+    """Most JSON values (and keys) a request body may hold: room for the largest request the
+    limits allow (`max_items_per_request` videos of `max_video_frames` frames; a chat prompt of
+    `llm.max_prompt_tokens`), at least `MIN_JSON_VALUES`."""
+    limits = config.limits
+    encode = limits.max_items_per_request * (limits.max_video_frames + 8) + 64
+    chat = 4 * config.llm.max_prompt_tokens if config.llm is not None else 0
+    return max(MIN_JSON_VALUES, encode, chat)
+
+
+def too_many_values(prefix: bytes, limit: int) -> RequestError:
+    """The refusal of a body of more than `limit` values, given its part up to the first value
+    past it: 413 naming its largest list or object where that one holds most of them; 400 where
+    even that part is not JSON."""
+    try:
+        largest = largest_container(prefix)
+    except ValueError as error:
+        return RequestError(400, f"body is not valid JSON: {error}")
+    what = f"request body of more than {limit} JSON values, more than a request within the limits holds "
+    what += f"(max_items_per_request videos of max_video_frames frames, at least {MIN_JSON_VALUES})"
+    if largest is None or largest[1] < limit // 2:
+        return RequestError(413, what)
+    path, entries = largest
+    where = json_path(path) or "body"
+    return RequestError(413, f"{where}: more than {entries} entries, in a {what}", error_param(path))
+
+
+def _is_json(scope) -> bool:
+    """Whether the framework parses this request's body as JSON (its Content-Type says so)."""
+    content_type = dict(scope["headers"]).get(b"content-type", b"").split(b";")[0].strip().lower()
+    return content_type == b"application/json" or (
+        content_type.startswith(b"application/") and content_type.endswith(b"+json")
+    )
 
 
 class _Client:
@@ -127,7 +176,30 @@ def create_api() -> FastAPI:
     api.add_exception_handler(RequestValidationError, _validation_error)
     api.add_exception_handler(HTTPException, _http_error)
     api.add_exception_handler(Exception, _unexpected_error)
+    framework_openapi = api.openapi
+
+    def openapi() -> dict:
+        """FastAPI's schema, with the lengths of the lists the app's limits bound (once it serves)."""
+        schema = framework_openapi()
+        router = getattr(api.state, "router", None)
+        if router is not None:
+            with_limits(schema, router.config.limits)  # on FastAPI's cached schema: the same each time
+        return schema
+
+    api.openapi = openapi
     return api
+
+
+def with_limits(schema: dict, limits) -> None:
+    """Set `maxItems` of an encode request's items and a video's frames to the app's limits."""
+    components = schema.get("components", {}).get("schemas", {})
+    if "EncodeRequest" in components:
+        components["EncodeRequest"]["properties"]["items"]["maxItems"] = limits.max_items_per_request
+    if "VideoItem" in components:
+        frames = components["VideoItem"]["properties"]["frames"]
+        for form in frames.get("anyOf", [frames]):
+            if form.get("type") == "array":
+                form["maxItems"] = limits.max_video_frames
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -160,23 +232,13 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0]
-    location = [part for part in first.get("loc", ()) if part != "body"]
-    if not location and isinstance(first.get("input"), bytes):  # not parsed: not sent as JSON (`curl -d`)
+    errors = exc.errors()
+    first = errors[0]
+    if first.get("loc") in (("body",), ()) and isinstance(first.get("input"), bytes):  # not parsed: not JSON
         _count(request, 415)
         sent_as = request.headers.get("content-type") or "none"
         message = f"send the body as JSON, with Content-Type: application/json (got {sent_as})"
         return JSONResponse(RequestError(415, message).body(), status_code=415)
-    _count(request, 400)
-    if first.get("type") == "json_invalid":
-        return JSONResponse(RequestError(400, f"body is not valid JSON: {first.get('msg')}").body(), status_code=400)
-    if len(location) >= 2 and location[0] == "items" and isinstance(location[1], int):
-        param = f"items[{location[1]}]"
-    else:
-        param = ".".join(str(part) for part in location) or None
-    fields = location[2:]
-    if fields[:1] in (["image"], ["video"]):  # the item's type, which pydantic puts in the path of its fields
-        fields = fields[1:]
-    fields = ".".join(str(part) for part in fields)
-    message = f"{param or 'body'}{'.' + fields if fields else ''}: {first.get('msg', 'invalid')}"
-    return JSONResponse(RequestError(400, message, param=param).body(), status_code=400)
+    error = request_error(errors)
+    _count(request, error.status)
+    return JSONResponse(error.body(), status_code=error.status)

@@ -2,8 +2,9 @@
 
 safetensors is what a caller that cares about speed asks for: one tensor per item output,
 no base64, no float32 inflation. In the JSON forms the body is assembled from bytes around
-the base64 payloads, since `json.dumps` would scan every character of such strings. Both
-binary-heavy forms stream: no response-sized buffer is built.
+the payloads, since `json.dumps` would scan every character of a base64 string. Every form
+streams: no response-sized buffer is built (a `float` body is ~20 bytes a value, ~350 KB a
+Qwen3-VL token with its deepstack).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def json_body(model_id: str, results: list) -> tuple[int, Iterator[bytes]]:
     """The `base64` JSON response as (its length, its chunks), byte for byte `encode_response_json`'s:
     each tensor converted to float32 and base64-encoded a chunk at a time as the client takes it,
     never a response-sized buffer (the body is ~87 KB a token with Qwen3-VL's deepstack)."""
-    parts = _json_parts(model_id, results, "base64")
+    parts = _json_parts(model_id, results)
     length = sum(len(p) if isinstance(p, bytes) else 2 + 4 * -(-p.numel() * 4 // 3) for p in parts)
 
     def chunks() -> Iterator[bytes]:
@@ -104,15 +105,50 @@ def json_body(model_id: str, results: list) -> tuple[int, Iterator[bytes]]:
     return length, chunks()
 
 
+FLOAT_ELEMENTS = 1 << 16
+"""Values per chunk of a streamed `float` body, in whole rows of the tensor: ~1.3 MB of JSON text,
+from a Python list of as many floats. `json.dumps` holds the GIL throughout, so this bounds how
+long the router's event loop waits for a chunk (~0.1 s on a loaded CPU)."""
+
+
+def float_json_body(model_id: str, results: list) -> Iterator[bytes]:
+    """The `float` JSON response's chunks, byte for byte `json.dumps` of each tensor's nested
+    float32 lists (`tensor.float().tolist()`) in `encode_response_json`'s document: each tensor
+    written a block of rows at a time as the client takes it. Its length is known only once
+    written, so it goes out without a Content-Length (chunked)."""
+    for part in _json_parts(model_id, results):
+        if isinstance(part, bytes):
+            yield part
+        else:
+            yield from _float_lists(part)
+
+
+def _float_lists(tensor: torch.Tensor) -> Iterator[bytes]:
+    """`json.dumps(tensor.float().tolist())`, in blocks of rows: the text of a list is its
+    elements' texts joined with ", " in brackets, so the blocks' inner texts join into it."""
+    if tensor.dim() == 0:
+        yield json.dumps(tensor.to(torch.float32).item()).encode()
+        return
+    row = max(1, tensor[0].numel()) if len(tensor) else 1
+    step = max(1, FLOAT_ELEMENTS // row)
+    yield b"["
+    for start in range(0, len(tensor), step):
+        text = json.dumps(tensor[start : start + step].to(torch.float32).tolist())
+        yield (b", " if start else b"") + text[1:-1].encode()
+    yield b"]"
+
+
 def encode_response_json(model_id: str, results: list, encoding_format: str) -> bytes:
-    """The whole response body, byte for byte what `json.dumps` of the same dict would parse to."""
-    parts = _json_parts(model_id, results, encoding_format)
-    return b"".join(p if isinstance(p, bytes) else b'"' + _float32_base64(p) + b'"' for p in parts)
+    """The whole JSON response body in one buffer (the streamed forms' chunks joined), byte for
+    byte what `json.dumps` of the same dict would parse to."""
+    if encoding_format == "float":
+        return b"".join(float_json_body(model_id, results))
+    return b"".join(json_body(model_id, results)[1])
 
 
-def _json_parts(model_id: str, results: list, encoding_format: str) -> list[bytes | torch.Tensor]:
+def _json_parts(model_id: str, results: list) -> list[bytes | torch.Tensor]:
     """The body's bytes in order, assembled around the payloads (`json.dumps` would scan every
-    character of a base64 string); a `base64` payload stays a tensor, encoded by the caller."""
+    character of a base64 string); each payload stays a tensor, written by the caller."""
     parts: list[bytes | torch.Tensor] = [b'{"model": ', json.dumps(model_id).encode(), b', "data": [']
     for number, result in enumerate(results):
         head = {
@@ -121,23 +157,16 @@ def _json_parts(model_id: str, results: list, encoding_format: str) -> list[byte
             "grid_thw": list(result.grid_thw),
             "shape": list(result.embedding.shape),
         }
-        parts += [b", " if number else b"", json.dumps(head)[:-1].encode(), b', "embedding": ']
-        parts.append(_payload(result.embedding, encoding_format))
+        parts += [b", " if number else b"", json.dumps(head)[:-1].encode(), b', "embedding": ', result.embedding]
         if result.deepstack is not None:
             parts.append(b', "deepstack": [')
             for level, layer in enumerate(result.deepstack):
-                parts += [b", " if level else b"", _payload(layer, encoding_format)]
+                parts += [b", " if level else b"", layer]
             parts.append(b"]")
         parts.append(b"}")
     tokens = sum(int(r.embedding.shape[0]) for r in results)
     parts += [b'], "usage": ', json.dumps({"vision_tokens": tokens}).encode(), b"}"]
     return parts
-
-
-def _payload(tensor: torch.Tensor, encoding_format: str) -> bytes | torch.Tensor:
-    if encoding_format == "float":
-        return json.dumps(tensor.to(torch.float32).tolist()).encode()
-    return tensor
 
 
 def _float32_base64(tensor: torch.Tensor) -> bytes:

@@ -7,7 +7,6 @@ processes import those libraries at the same time instead of one after the other
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from fastapi.responses import Response, StreamingResponse
@@ -26,7 +25,7 @@ from .http import http_ingress
 from .intake import Intake, raw_from_http, raw_from_python
 from .metrics import RouterMetrics
 from .ref_hold import ReferenceHold
-from .responses import encode_response_json, json_body, safetensors_body
+from .responses import float_json_body, json_body, safetensors_body
 from .results import EncodeResult, ItemRef
 from .schemas import ChatRequest, EncodeRequest
 
@@ -38,7 +37,7 @@ def server_timing(seconds: dict[str, float]) -> str:
     """A `Server-Timing` header (W3C): where the request's time went in the service, in ms.
     `encode` is from the decoded items' queueing to their results (the router's queue, the trip
     to the replica and back); `replica_queue` and `forward` are those of the slowest item's pack;
-    `serialize` is a `float` JSON body's, or a streamed body's first part only (the rest follows)."""
+    `serialize` is a streamed body's first part only (the rest follows)."""
     return ", ".join(f"{name};dur={value * 1e3:.2f}" for name, value in seconds.items())
 
 
@@ -130,10 +129,10 @@ class EncodeService:
             headers = {"Server-Timing": server_timing(timing), "Content-Length": str(length)}
             media_type = "application/octet-stream" if binary else "application/json"
             return StreamingResponse(chunks, media_type=media_type, headers=headers)
-        content = await asyncio.to_thread(encode_response_json, model, results, body.encoding_format)
+        chunks = float_json_body(model, results)  # streamed too, in blocks of rows, without a Content-Length
         timing["serialize"] = time.perf_counter() - serialize_start
         headers = {"Server-Timing": server_timing(timing)}
-        return Response(content=content, media_type="application/json", headers=headers)
+        return StreamingResponse(chunks, media_type="application/json", headers=headers)
 
     async def encode(self, items: list, cache: bool, as_refs: bool, cache_salt: str | None = None) -> list[ItemRef]:
         """The handle's `encode`: `EncodeResult`s, or `ItemRef`s with `as_refs`; the references are

@@ -1,5 +1,7 @@
 """Hostile inputs, second round: files that read server files, bind sockets, or decode for minutes,
 malformed files that used to answer 500, framework-level errors, slow items and slow clients.
+Third round, at the HTTP layer: bodies of millions of JSON values, `float` responses of
+hundreds of MB, `Expect: 100-continue`, and the HTTP server's own errors.
 
 Each gets a 4xx in the documented shape (or a clear 503/504) within `ANSWER_WITHIN_S`, and the
 service keeps serving. No request makes the service open a file or a socket: checked on the
@@ -10,6 +12,7 @@ process's own UDP sockets, and through HTTP with a real file the old decoder wou
 from __future__ import annotations
 
 import asyncio
+import base64
 import gzip
 import json
 import os
@@ -22,15 +25,19 @@ import httpx
 import numpy as np
 import psutil
 import pytest
+import yaml
 from PIL import Image
 
-from deployments.config import Limits, ModelSettings
+from deployments.config import AppConfig, Limits, ModelSettings
 from deployments.decode_pool import WorkerSetup
 from deployments.decode_worker import build_state, decode_job, inspect_job
 from deployments.errors import RequestError
+from deployments.http import json_value_limit
 from deployments.media import RawItem
 from tests.deployments import hostile_media as hostile
 from tests.deployments.media_helpers import b64, image_file, pattern
+from tests.helpers import model_detail
+from tests.serve_harness import ROOT
 
 ANSWER_WITHIN_S = 10.0
 SLOW = {"decode_timeout_s": 0.3, "body_timeout_s": 2.0}
@@ -334,3 +341,271 @@ def test_a_client_that_stops_sending_its_body_gets_408(urls, serve_harness):
     answer = asyncio.run(scenario())
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert b"body_timeout_s" in answer
+
+
+# ---- third round: bodies of millions of values, float responses, the HTTP server's own errors ----
+
+LOCAL = AppConfig.model_validate(yaml.safe_load((ROOT / "configs/local.yaml").read_text())["applications"][0]["args"])
+VALUE_LIMIT = json_value_limit(LOCAL)
+REFUSED_WITHIN_S = 1.0
+ROUTER_GROWTH_MB = 50
+HEALTH_WITHIN_S = 1.0
+"""The acceptance bounds of a body of millions of values: refused within a second, the router
+grown by under 50 MB meanwhile, `/health` answered within a second from another client (before:
+38 s, +2.7 GB, `/health` blocked for 30 s and more)."""
+
+
+class RouterWatch:
+    """While a request runs: the router's peak memory over its start (RSS, or USS: its private
+    pages, without the object store's shared ones) and `/health`'s slowest answer to another
+    client, asked every 20 ms."""
+
+    def __init__(self, url: str, pid: int, private: bool = False):
+        self.url, self.process, self.private = url, psutil.Process(pid), private
+        self.health_s: list[float] = []
+        self.health_statuses: set[int] = set()
+        self._stop = threading.Event()
+        self._peak = self._base = self._memory()
+
+    def _memory(self) -> int:
+        return self.process.memory_full_info().uss if self.private else self.process.memory_info().rss
+
+    def restart(self) -> None:
+        """Measure from here on: the peak over the memory now, `/health` asked from now."""
+        self._peak = self._base = self._memory()
+        self.health_s, self.health_statuses = [], set()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._peak = max(self._peak, self._memory())
+            time.sleep(0.02 if self.private else 0.005)
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=60) as client:
+            while not self._stop.is_set():
+                start = time.perf_counter()
+                status = client.get(self.url + "/health").status_code
+                self.health_s.append(time.perf_counter() - start)
+                self.health_statuses.add(status)
+                time.sleep(0.02)
+
+    def __enter__(self) -> RouterWatch:
+        self._threads = [threading.Thread(target=self._sample), threading.Thread(target=self._poll)]
+        for thread in self._threads:
+            thread.start()
+        time.sleep(0.2)  # /health answered before the request too
+        return self
+
+    def __exit__(self, *exc) -> None:
+        time.sleep(0.1)
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+    @property
+    def growth_mb(self) -> float:
+        return (self._peak - self._base) / 2**20
+
+
+def router_pid(client: httpx.Client, url: str) -> int:
+    return model_detail(client, url)["router"]["pid"]
+
+
+def zeros(count: int) -> bytes:
+    return b",".join([b"0"] * count)
+
+
+@dataclass
+class Bomb:
+    name: str
+    path: str
+    body: bytes
+    status: int
+    param: str
+    message: str
+
+
+BOMBS = [
+    Bomb(
+        "3.8 MB of ints as a video's frames",
+        "/v1/encode",
+        b'{"items": [{"type": "video", "frames": [' + zeros(1_900_000) + b"]}]}",
+        413,
+        "items[0]",
+        f"items[0].frames: more than {VALUE_LIMIT - 7} entries, in a request body of more than {VALUE_LIMIT} JSON",
+    ),
+    Bomb(
+        "3.8 MB of ints as a chat message's content",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": [' + zeros(1_900_000) + b"]}]}",
+        413,
+        "messages[0]",
+        f"messages[0].content: more than {VALUE_LIMIT - 7} entries, in a request body of more than {VALUE_LIMIT}",
+    ),
+    Bomb(  # within the value limit: pydantic stops at the first bad frame
+        "60000 ints as a video's frames",
+        "/v1/encode",
+        b'{"items": [{"type": "video", "frames": [' + zeros(60_000) + b"]}]}",
+        400,
+        "items[0]",
+        "items[0].frames[0]: Input should be a valid string",
+    ),
+    Bomb(
+        "60000 ints as a chat message's content",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": [' + zeros(60_000) + b"]}]}",
+        400,
+        "messages[0].content[0]",
+        "messages[0].content[0]: Input should be a valid dictionary",
+    ),
+    Bomb(  # one error for the first unknown field, not one per field
+        "30000 unknown fields",
+        "/v1/encode",
+        json.dumps({"items": [{"type": "image", "image": "x"}], **{f"k{i}": 0 for i in range(30_000)}}).encode(),
+        400,
+        "k0",
+        "k0: Extra inputs are not permitted",
+    ),
+    Bomb(
+        "30000 unknown fields in an item",
+        "/v1/encode",
+        json.dumps({"items": [{"type": "image", "image": "x", **{f"k{i}": 0 for i in range(30_000)}}]}).encode(),
+        400,
+        "items[0]",
+        "items[0].k0: Extra inputs are not permitted",
+    ),
+]
+
+
+@pytest.mark.parametrize("bomb", BOMBS, ids=[b.name for b in BOMBS])
+def test_a_body_of_many_values_is_refused_at_once_and_the_router_neither_grows_nor_stalls(bomb, urls, serve_harness):
+    """Pydantic reports an error per list element and FastAPI builds them all on the router's event
+    loop: ~700 bytes of router memory per body byte, `/health` blocked meanwhile. Now a body is
+    refused for the values it holds before it is parsed, and validation stops at a list's first
+    bad element."""
+    url = urls["default"]
+    with serve_harness.http() as client:
+        pid = router_pid(client, url)
+        with RouterWatch(url, pid) as watch:
+            start = time.perf_counter()
+            response = client.post(url + bomb.path, content=bomb.body, headers={"Content-Type": "application/json"})
+            elapsed = time.perf_counter() - start
+        assert_documented_error(response, bomb.status, bomb.param, bomb.message)
+        assert elapsed < REFUSED_WITHIN_S, elapsed
+        assert watch.growth_mb < ROUTER_GROWTH_MB, watch.growth_mb
+        assert watch.health_statuses == {200} and max(watch.health_s) < HEALTH_WITHIN_S, watch.health_s
+        still_serving(client, url)
+
+
+def test_the_openapi_schema_bounds_the_lists_by_the_apps_limits(urls, serve_harness):
+    with serve_harness.http() as client:
+        schemas = client.get(urls["default"] + "/openapi.json").json()["components"]["schemas"]
+    assert schemas["EncodeRequest"]["properties"]["items"]["maxItems"] == LOCAL.limits.max_items_per_request
+    frames = next(f for f in schemas["VideoItem"]["properties"]["frames"]["anyOf"] if f.get("type") == "array")
+    assert frames["maxItems"] == LOCAL.limits.max_video_frames
+    assert schemas["ChatRequest"]["properties"]["messages"]["maxItems"] == 2048
+    assert schemas["EncodeRequest"]["additionalProperties"] is False  # unknown fields are still refused
+
+
+def test_a_float_response_streams_a_block_of_rows_at_a_time(urls, serve_harness):
+    """`encoding_format: float` used to be built whole in the router (~3x its size: the text, the
+    parts joined); it streams now, chunked, while the router's private memory stays flat."""
+    url = urls["default"]
+    image = image_file(pattern(1024, 1024, seed=77), "PNG")  # 1024 tokens
+    body = {"items": [{"type": "image", "image": b64(image)}] * 8}  # cached after the first request: ~50 MB of float
+    with serve_harness.http() as client:
+        reference = client.post(url + "/v1/encode", json=body)
+        assert reference.status_code == 200, reference.text[:300]
+        with RouterWatch(url, router_pid(client, url), private=True) as watch:
+            with client.stream("POST", url + "/v1/encode", json={**body, "encoding_format": "float"}) as response:
+                chunks = response.iter_bytes()
+                first = next(chunks)
+                watch.restart()  # from the first bytes: the items are decoded and encoded, the body streams
+                content = first + b"".join(chunks)
+        assert response.status_code == 200, content[:300]
+        assert "content-length" not in response.headers and response.headers["transfer-encoding"] == "chunked"
+        assert len(content) > 40e6
+        assert watch.growth_mb < ROUTER_GROWTH_MB, watch.growth_mb
+    floats, base64s = json.loads(content), reference.json()
+    assert [e["shape"] for e in floats["data"]] == [e["shape"] for e in base64s["data"]]
+    assert floats["usage"] == base64s["usage"]
+    for got, expected in zip(floats["data"][:2], base64s["data"][:2]):
+        for values, packed in zip(
+            [got["embedding"], *got["deepstack"]], [expected["embedding"], *expected["deepstack"]]
+        ):
+            as_sent = np.frombuffer(base64.b64decode(packed), dtype="<f4")
+            assert np.array_equal(np.asarray(values, dtype=np.float32).reshape(-1), as_sent)
+
+
+def raw_exchange(port: int, request: bytes, read_s: float = 5.0) -> bytes:
+    """Send `request` as it is and read what comes back until the server closes or goes quiet."""
+
+    async def exchange() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request)
+        await writer.drain()
+        answer = b""
+        try:
+            while chunk := await asyncio.wait_for(reader.read(65536), read_s):
+                answer += chunk
+                if b"\r\n\r\n{" in answer and answer.rstrip().endswith(b"}"):  # a JSON answer, whole
+                    break
+        except asyncio.TimeoutError:
+            pass
+        writer.close()
+        return answer
+
+    return asyncio.run(exchange())
+
+
+EXPECT_1GB = (
+    b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    b"Expect: 100-continue\r\nContent-Length: 1000000000\r\n\r\n"
+)
+
+
+def final_response(answer: bytes) -> tuple[bytes, dict]:
+    """The status line and JSON body of the last response in `answer` (after any 100 Continue)."""
+    head, _, body = answer.rpartition(b"\r\n\r\n")
+    status = head.split(b"\r\n\r\n")[-1].split(b"\r\n")[0]
+    return status, json.loads(body)
+
+
+def test_expect_100_continue_over_the_limit_gets_the_413_and_sends_nothing(urls, serve_harness):
+    """The client sends its headers only; the router refuses the declared length before reading."""
+    start = time.perf_counter()
+    answer = raw_exchange(serve_harness.port, EXPECT_1GB)
+    assert time.perf_counter() - start < ANSWER_WITHIN_S
+    status, body = final_response(answer)
+    assert status.startswith(b"HTTP/1.1 413"), answer[:300]
+    assert "max_request_bytes=67108864" in body["error"]["message"] and body["error"]["param"] is None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Serve's proxy reads the body (its `proxy_asgi_receive` task calls uvicorn's `receive()`) as soon as "
+    "it routes the request, before the router sees it, and uvicorn writes `100 Continue` on that first receive",
+)
+def test_expect_100_continue_over_the_limit_gets_no_100_continue_first(urls, serve_harness):
+    answer = raw_exchange(serve_harness.port, EXPECT_1GB)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:100]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="uvicorn (httptools) in Serve's proxy answers a request it cannot parse itself, in plain text "
+    "(`send_400_response`); the app never sees it, and Serve's HTTPOptions expose no uvicorn setting",
+)
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5\r\n\r\n"
+        b'{"items": []}',
+    ],
+    ids=["a 100 KB URL", "a Content-Length shorter than the body"],
+)
+def test_requests_the_http_server_cannot_parse_get_the_documented_shape(request_bytes, urls, serve_harness):
+    answer = raw_exchange(serve_harness.port, request_bytes)
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert b"text/plain" not in answer.lower() and b"application/json" in answer.lower(), answer[:300]

@@ -1,4 +1,5 @@
-"""The streamed response bodies: safetensors read back by the safetensors library itself, JSON by `json`."""
+"""The streamed response bodies: safetensors read back by the safetensors library itself, JSON by `json`
+(and the `float` form byte for byte `json.dumps` of the nested lists)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load
 
-from deployments.responses import CHUNK_BYTES, json_body, safetensors_body
+from deployments.responses import (
+    CHUNK_BYTES,
+    FLOAT_ELEMENTS,
+    encode_response_json,
+    float_json_body,
+    json_body,
+    safetensors_body,
+)
 from deployments.results import EncodeResult
 from models.protocol import ItemOutput
 
@@ -87,3 +95,23 @@ def test_the_streamed_json_body_is_the_documented_document():
     assert json.loads(body) == expected
     values = numpy.frombuffer(base64.b64decode(json.loads(body)["data"][0]["embedding"]), dtype="<f4")
     assert torch.equal(torch.from_numpy(values.copy()).reshape(400, 4096), results[0].embedding.float())
+
+
+def test_the_streamed_float_body_is_json_dumps_of_the_nested_lists_a_block_of_rows_at_a_time():
+    """`float` streams too: the body is byte for byte `json.dumps` of the document with each tensor
+    as `tolist()` of its float32 values, and no chunk holds more than a block of rows."""
+    results = [result(0, 70, 2), result(1, 3, None), result(2, 0, None)]  # 70 rows of 4096: three blocks
+    chunks = list(float_json_body("qwen3-vl-8b", results))
+    body = b"".join(chunks)
+    expected = {"model": "qwen3-vl-8b", "data": [], "usage": {"vision_tokens": 73}}
+    for r in results:
+        entry = {"index": r.index, "modality": r.modality, "grid_thw": list(r.grid_thw)}
+        entry |= {"shape": list(r.embedding.shape), "embedding": r.embedding.float().tolist()}
+        if r.deepstack is not None:
+            entry["deepstack"] = [layer.float().tolist() for layer in r.deepstack]
+        expected["data"].append(entry)
+    assert body == json.dumps(expected).encode()
+    assert body == encode_response_json("qwen3-vl-8b", results, "float")
+    rows_per_block = FLOAT_ELEMENTS // 4096
+    assert max(len(c) for c in chunks) <= rows_per_block * 4096 * 26 and len(chunks) > 9  # ~20 characters a value
+    assert len(json.loads(body)["data"][0]["embedding"]) == 70
