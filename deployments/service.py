@@ -22,7 +22,7 @@ from .decode_pool import Template
 from .encode_queue import EncodeQueue, ResultsLost
 from .fleet import EncoderFleet
 from .http import http_ingress
-from .intake import Intake, raw_from_http, raw_from_python
+from .intake import Intake, raw_from_http
 from .metrics import RouterMetrics
 from .ref_hold import ReferenceHold
 from .responses import encode_response_json, json_body, safetensors_body
@@ -67,12 +67,15 @@ class EncodeService:
         """Start the decode pool from the template the router spawned (blocking)."""
         self.intake.start(template)
 
-    async def encode_raw(self, raws, use_cache: bool, timing: dict[str, float] | None = None, read_here: bool = False):
+    async def encode_raw(
+        self, raws, use_cache: bool, timing: dict[str, float] | None = None, read_here: bool = False, check_specs=None
+    ):
         """Decode and encode request items: (decoded items, references to their results). `timing`
         gets the seconds each stage took; `read_here`: this router reads the results (HTTP), and
-        encodes again what it finds lost, so cache hits need no check first."""
+        encodes again what it finds lost, so cache hits need no check first; `check_specs(specs)`
+        may refuse the request once its items are inspected, before they are decoded."""
         start = time.perf_counter()
-        decoded = await self.intake.decode(raws, self.queue.check_room, "" if use_cache else None)
+        decoded = await self.intake.decode(raws, self.queue.check_room, "" if use_cache else None, check_specs)
         decoded_at = time.perf_counter()
         self.metrics.preprocess_seconds.observe(decoded_at - start)
         encoded = await self.queue.encode(decoded, check_hits=not read_here)
@@ -126,7 +129,7 @@ class EncodeService:
         """The handle's `encode`: `EncodeResult`s, or `ItemRef`s with `as_refs`; the references are
         held for `router.handle_hold_s`."""
         timing: dict[str, float] = {}
-        raws = [raw_from_python(index, item) for index, item in enumerate(items)]
+        raws = self.intake.from_python(items)
         decoded, encoded = await self.encode_raw(raws, cache, timing)
         kind = ItemRef if as_refs else EncodeResult
         timing_ms = {stage: round(seconds * 1e3, 3) for stage, seconds in timing.items()}
