@@ -19,12 +19,15 @@ from ray import serve
 from tests.deployments.media_helpers import pattern
 from tests.helpers import model_detail
 
+LIMITS = {"router": {"max_wait_ms": 10, "request_timeout_s": 0.5}, "llm": {"max_prompt_tokens": 64, "max_tokens": 4000}}
 MAX_PROMPT_TOKENS = 300
-LIMITS = {
-    "router": {"max_wait_ms": 10, "request_timeout_s": 0.5},
-    "llm": {"max_prompt_tokens": MAX_PROMPT_TOKENS, "max_tokens": 4000},
+PROMPT_LIMITS = {
+    "router": {"max_wait_ms": 10, "decode_workers": 1},
+    "llm": {"max_prompt_tokens": MAX_PROMPT_TOKENS},
     "limits": {"max_items_per_request": 12, "max_tokens_per_request": 4000},
 }
+"""The second app's: room for a few images in the prompt, and the default request timeout (the
+first app's 0.5 s is for the timed-out generation)."""
 LONG_TOKENS = 4000
 """Seconds of generation for the tiny LLM on CPU (512 tokens can finish inside the 0.5 s timeout)."""
 
@@ -32,6 +35,11 @@ LONG_TOKENS = 4000
 @pytest.fixture(scope="module")
 def url(serve_harness) -> str:
     return serve_harness.deploy("configs/epd.yaml", name="chat-limits", route_prefix="/chat-limits", **LIMITS)
+
+
+@pytest.fixture(scope="module")
+def prompt_url(serve_harness) -> str:
+    return serve_harness.deploy("configs/epd.yaml", name="chat-prompt", route_prefix="/chat-prompt", **PROMPT_LIMITS)
 
 
 def png_url(seed: int = 0) -> str:
@@ -77,7 +85,7 @@ def text(value: str) -> dict:
         ({"messages": user(text("hi")), "seed": 2**70}, 400, "seed", "seed"),
         ({"messages": user(text("hi")), "seed": -(2**70), "stream": True}, 400, "seed", "seed"),
         ({"messages": user(text("hi")), "model": "gpt-4o"}, 404, "model", "gpt-4o"),
-        ({"messages": user(text("x" * 1_000_000))}, 413, "messages", "max_prompt_tokens=300"),
+        ({"messages": user(text("x" * 1_000_000))}, 413, "messages", "max_prompt_tokens=64"),
         (
             {"messages": user(text("hi"), {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}})},
             400,
@@ -151,42 +159,42 @@ def decode_jobs(client, url: str) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
-def test_images_over_the_prompt_limit_are_inspected_and_never_decoded_or_encoded(stream, url, serve_harness):
+def test_images_over_the_prompt_limit_are_inspected_and_never_decoded_or_encoded(stream, prompt_url, serve_harness):
     """Three 1024x1024 images: 3,072 vision tokens, over the prompt's 300 (the issue's nine at the
     default 8,192 were all encoded before the LLM refused them). A stream never begins."""
     body = {"messages": user(text("Compare."), *[image(flat_png_url(1024, 40 * n)) for n in range(3)])}
     with serve_harness.http(timeout=30) as client:
-        before = decode_jobs(client, url)
+        before = decode_jobs(client, prompt_url)
         if stream:
-            status, events = stream_events(client, url, body)
+            status, events = stream_events(client, prompt_url, body)
             assert status == 413 and len(events) == 0, (status, events[:2])
         else:
-            assert_error(post(client, url, body), 413, "messages[0].content[1]", "max_prompt_tokens=300")
-        after = decode_jobs(client, url)
+            assert_error(post(client, prompt_url, body), 413, "messages[0].content[1]", "max_prompt_tokens=300")
+        after = decode_jobs(client, prompt_url)
     assert after[0] - before[0] == 3  # their inspections only
     assert after[1] == before[1]  # nothing reached the encoders
 
 
-def test_a_streamed_chat_over_the_text_limit_is_refused_before_the_stream(url, serve_harness):
+def test_a_streamed_chat_over_the_text_limit_is_refused_before_the_stream(prompt_url, serve_harness):
     with serve_harness.http(timeout=30) as client:
-        status, events = stream_events(client, url, {"messages": user(text(words(400))), "max_tokens": 4})
+        status, events = stream_events(client, prompt_url, {"messages": user(text(words(400))), "max_tokens": 4})
     assert status == 413 and not events
 
 
-def test_chat_limit_errors_name_the_image_part_that_passes_the_limit(url, serve_harness):
+def test_chat_limit_errors_name_the_image_part_that_passes_the_limit(prompt_url, serve_harness):
     system = {"role": "system", "content": "Be brief."}
     thirteen = user(text("Count."), *[image(png_url(seed=n)) for n in range(13)])
     four_large = user(text("Compare."), *[image(flat_png_url(1024, 50 * n)) for n in range(4)])
     with serve_harness.http(timeout=30) as client:
         assert_error(
-            post(client, url, {"messages": [system, *thirteen]}),
+            post(client, prompt_url, {"messages": [system, *thirteen]}),
             413,
             "messages[1].content[13]",
             "13 images",
             "max_items_per_request=12",
         )
         assert_error(  # 4 x 1,024 vision tokens: the fourth passes 4,000
-            post(client, url, {"messages": [system, *four_large]}),
+            post(client, prompt_url, {"messages": [system, *four_large]}),
             413,
             "messages[1].content[4]",
             "4096 vision tokens",
@@ -194,18 +202,18 @@ def test_chat_limit_errors_name_the_image_part_that_passes_the_limit(url, serve_
         )
 
 
-def test_the_image_named_is_the_first_that_does_not_fit(url, serve_harness):
+def test_the_image_named_is_the_first_that_does_not_fit(prompt_url, serve_harness):
     """64x48 images of 70 vision tokens each: the prompt passes 300 at one of them; without it and
     those after it, the LLM takes the prompt."""
     parts = [text("Count."), *[image(png_url(seed=n)) for n in range(6)]]
     with serve_harness.http(timeout=30) as client:
-        refused = post(client, url, {"messages": user(*parts), "max_tokens": 1})
+        refused = post(client, prompt_url, {"messages": user(*parts), "max_tokens": 1})
         assert refused.status_code == 413, refused.text[:300]
         place = refused.json()["error"]["param"]
         assert place.startswith("messages[0].content[") and "max_prompt_tokens=300" in refused.text
         first_over = int(place.removeprefix("messages[0].content[").removesuffix("]"))
         assert first_over >= 3  # some images fit
-        fits = post(client, url, {"messages": user(*parts[:first_over]), "max_tokens": 1})
+        fits = post(client, prompt_url, {"messages": user(*parts[:first_over]), "max_tokens": 1})
     assert fits.status_code == 200, fits.text[:300]
     assert fits.json()["usage"]["prompt_tokens"] <= MAX_PROMPT_TOKENS
 
@@ -217,24 +225,24 @@ def served_prompt_tokens(client, url: str, parts: list[dict]) -> int:
 
 
 @pytest.mark.parametrize("with_image", [False, True], ids=["text", "text and an image"])
-def test_the_router_counts_the_prompt_as_the_llm_does(with_image, url, serve_harness):
+def test_the_router_counts_the_prompt_as_the_llm_does(with_image, prompt_url, serve_harness):
     """The longest prompt the LLM counts within the limit streams; one token more is refused before
     the stream, by the router (the LLM's own count, from its usage, is the reference)."""
     images = [image(png_url(seed=3))] if with_image else []
     with serve_harness.http(timeout=30) as client:
-        one, two = (served_prompt_tokens(client, url, [text(words(n)), *images]) for n in (1, 2))
+        one, two = (served_prompt_tokens(client, prompt_url, [text(words(n)), *images]) for n in (1, 2))
         per_word, base = two - one, one - (two - one)
         longest = (MAX_PROMPT_TOKENS - base) // per_word
         body = {"messages": user(text(words(longest)), *images), "max_tokens": 1}
-        status, events = stream_events(client, url, {**body, "stream_options": {"include_usage": True}})
+        status, events = stream_events(client, prompt_url, {**body, "stream_options": {"include_usage": True}})
         assert status == 200 and events[-1] == "[DONE]", events[-2:]
         usage = json.loads(events[-2])["usage"]
         assert usage["prompt_tokens"] == base + per_word * longest
         assert usage["prompt_tokens"] <= MAX_PROMPT_TOKENS < usage["prompt_tokens"] + per_word
         over = {"messages": user(text(words(longest + 1)), *images), "max_tokens": 1}
-        status, events = stream_events(client, url, over)
+        status, events = stream_events(client, prompt_url, over)
         assert status == 413 and not events
-        assert_error(post(client, url, over), 413, "messages[0].content[1]" if with_image else "messages")
+        assert_error(post(client, prompt_url, over), 413, "messages[0].content[1]" if with_image else "messages")
 
 
 def test_a_stream_the_llm_refuses_ends_with_an_error_event_and_done(url):
@@ -244,7 +252,7 @@ def test_a_stream_the_llm_refuses_ends_with_an_error_event_and_done(url):
     from deployments.config import AppConfig
     from deployments.llm import GenerateRequest
 
-    config = AppConfig.model_validate({"llm": LIMITS["llm"]})
+    config = AppConfig.model_validate({"llm": LIMITS["llm"]})  # the app's LLM: 64 prompt tokens
     service = SimpleNamespace(config=config, llm=serve.get_deployment_handle("LLMReplica", app_name="chat-limits"))
     request = GenerateRequest(messages=[{"role": "user", "content": words(400)}], embeddings=[], grids=[])
 
@@ -254,4 +262,4 @@ def test_a_stream_the_llm_refuses_ends_with_an_error_event_and_done(url):
     sent = [event.removeprefix("data: ").strip() for event in asyncio.run(events())]
     assert sent[-1] == "[DONE]"
     error = json.loads(sent[-2])["error"]
-    assert "max_prompt_tokens=300" in error["message"] and error["type"] == "invalid_request_error"
+    assert "max_prompt_tokens=64" in error["message"] and error["type"] == "invalid_request_error"

@@ -1,10 +1,12 @@
 """Intake limits, third round: a frame list's decoded pixels are bounded before any frame is decoded,
 the handle refuses an `items` that is not a list and an item that cannot reach a decode worker
-(the worker stays up), and decode workers run without the router's credentials."""
+(the worker stays up), decode workers run without the router's credentials, and a local
+checkpoint is served by its directory's name, not its path on the server."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -13,18 +15,28 @@ from ray import serve
 
 from deployments.config import Limits
 from deployments.errors import RequestError
+from models.tiny_checkpoint import save_tiny_vlm
 from tests.deployments.media_helpers import b64, image_file, pattern
 from tests.helpers import model_detail
 
 SECRETS = {"HF_TOKEN": "hf_intake_test", "AWS_SECRET_ACCESS_KEY": "intake-test", "VLM_TEST_SECRET": "intake-test"}
 """Set in the router's environment only; none may reach a decode process."""
 SMALL_FRAME_LIST_PIXELS = 100_000
+CHECKPOINT_NAME = "tiny-qwen3-vl"
 ANSWER_WITHIN_S = 5.0
 """A refusal at inspection comes back in well under `decode_timeout_s` (5 s), which a decode would run into."""
 
 
 @pytest.fixture(scope="module")
-def urls(serve_harness) -> dict[str, str]:
+def checkpoint(tmp_path_factory) -> str:
+    """A tiny Qwen3-VL checkpoint in a directory whose path the server must not show."""
+    directory = tmp_path_factory.mktemp("private-server-path") / CHECKPOINT_NAME
+    save_tiny_vlm("qwen3-vl", directory, seed=5)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def urls(serve_harness, checkpoint) -> dict[str, str]:
     router_options = {"ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": SECRETS}}}
     return {
         "default": serve_harness.deploy("configs/local.yaml"),
@@ -33,6 +45,7 @@ def urls(serve_harness) -> dict[str, str]:
             name="intake-limits",
             route_prefix="/intake-limits",
             deployments={"EncoderRouter": router_options},
+            model={"path": checkpoint, "preset": None},
             router={"decode_workers": 1},
             limits={"max_frame_list_pixels": SMALL_FRAME_LIST_PIXELS},
         ),
@@ -139,7 +152,7 @@ def test_an_item_that_cannot_be_pickled_to_a_decode_worker_is_a_400_and_the_work
     assert refused.value.status == 400 and refused.value.param == "items[1]"
     assert "does not pickle" in refused.value.message
     assert after["crashes"] == before["crashes"] and after["alive"] == before["alive"] == before["workers"]
-    assert handle.encode.remote([pattern(64, 48, seed=9)]).result()[0].output_tokens > 0
+    assert handle.encode.remote([pattern(64, 48, seed=9)]).result()[0].tokens > 0
 
 
 # ---- the decode workers' environment ----
@@ -148,7 +161,9 @@ def test_an_item_that_cannot_be_pickled_to_a_decode_worker_is_a_400_and_the_work
 def test_decode_workers_get_no_credentials_and_still_decode(urls, serve_harness):
     url = urls["small"]
     with serve_harness.http() as client:
-        response = client.post(url + "/v1/encode", json=frames_item([image_file(pattern(64, 48), "PNG")]))
+        response = client.post(
+            url + "/v1/encode", json=frames_item([image_file(pattern(64, 48, seed=n), "PNG") for n in range(2)])
+        )
         assert response.status_code == 200, response.text[:300]
         detail = model_detail(client, url)["router"]
     router = psutil.Process(detail["pid"]).environ()
@@ -160,3 +175,20 @@ def test_decode_workers_get_no_credentials_and_still_decode(urls, serve_harness)
         assert not set(SECRETS) & set(environment), process.pid
         assert not any(name.startswith("RAY_") for name in environment), sorted(environment)
         assert environment["OMP_NUM_THREADS"] == "1" and environment["PATH"] == router["PATH"]
+
+
+# ---- the served model's name ----
+
+
+def test_a_local_checkpoint_is_served_by_its_directorys_name(urls, checkpoint, serve_harness):
+    url = urls["small"]
+    item = {"type": "image", "image": b64(image_file(pattern(64, 48, seed=3), "PNG"))}
+    with serve_harness.http() as client:
+        listed = client.get(url + "/v1/models")
+        detail = client.get(f"{url}/v1/models/{CHECKPOINT_NAME}")
+        encoded = client.post(url + "/v1/encode", json={"items": [item], "model": CHECKPOINT_NAME})
+    assert [model["id"] for model in listed.json()["data"]] == [CHECKPOINT_NAME]
+    assert detail.status_code == 200 and "encoder" in detail.json(), detail.text[:300]
+    assert encoded.status_code == 200 and encoded.json()["model"] == CHECKPOINT_NAME, encoded.text[:300]
+    private = str(Path(checkpoint).parent)
+    assert all(private not in response.text for response in (listed, detail, encoded))
