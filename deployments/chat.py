@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 
 from models.protocol import ItemSpec
 
-from .config import Limits
+from .config import AppConfig, Limits
 from .errors import RequestError
 from .media import RawItem
 from .prompt_tokens import PromptText, count_text
@@ -145,7 +145,7 @@ async def _generate_request(service, body: ChatRequest):
     )
 
 
-async def _prompt_text(config, messages: list[dict]) -> PromptText:
+async def _prompt_text(config: AppConfig, messages: list[dict]) -> PromptText:
     """The prompt's text tokens, refused at once when they alone exceed the LLM's limit (a text far
     too long for it is refused before it is tokenized)."""
     limit = config.llm.max_prompt_tokens
@@ -170,7 +170,7 @@ def check_image_count(places: list[str], limits: Limits) -> None:
         )
 
 
-def spec_check(prompt: PromptText, places: list[str], config) -> Callable[[list[ItemSpec]], None]:
+def spec_check(prompt: PromptText, places: list[str], config: AppConfig) -> Callable[[list[ItemSpec]], None]:
     """The check of a chat's inspected images, before any is decoded: their vision tokens within the
     request's limit, and the whole prompt within the LLM's. An error names the image at which the
     total passes the limit (the prompt's text counted first)."""

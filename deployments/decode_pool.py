@@ -47,8 +47,6 @@ take the pool's reserved worker, so small items keep moving while large ones hol
 SMALL_BYTES = 2 << 20
 
 
-NOT_SENT = "cannot be sent to a decode worker (it does not pickle): send a plain PIL image or the file's bytes"
-
 FORK_TIMEOUT_S = 10.0
 """Longest the template may take to fork a worker."""
 
@@ -60,6 +58,10 @@ class WorkerTimeout(Exception):
 class JobNotSent(Exception):
     """A job's arguments could not be pickled for a worker (an object only the caller's process
     can rebuild, such as a class defined in its `__main__`); nothing reached the worker."""
+
+
+NOT_SENT = "cannot be sent to a decode worker (it does not pickle): send a plain PIL image or the file's bytes"
+"""The error of an item whose job is `JobNotSent`."""
 
 
 class JobUnreadable(Exception):

@@ -5,8 +5,8 @@ forked from it (`template`). A worker answers one job at a time over its pipe: `
 or `(False, RequestError)`. Results carry pixels as numpy arrays, not tensors, so they cross the
 pipe as plain bytes (torch would hand tensors over through shared-memory file descriptors). Any
 failure on an item's bytes, or in pickling its job or answer, is that item's 400; the worker
-itself stays up. A worker that a job
-crashed or that ran past its time limit is replaced by the pool.
+itself stays up. A worker that a job crashed or that ran past its time limit is replaced by the
+pool.
 """
 
 from __future__ import annotations
