@@ -4,7 +4,9 @@ request schema is in `schemas.py`).
 Images come as `image_url` parts with `data:` URLs (fetching remote URLs is off: no SSRF).
 Messages are converted to transformers' chat-template form with `{"type": "image"}`
 placeholders, in order; the router encodes the images and the LLM replica expands each
-placeholder to the image's token count.
+placeholder to the image's token count. The prompt's length is checked in the router first, from
+the LLM's tokenizer and the images' inspected token counts (`prompt_tokens.py`): a prompt over
+`llm.max_prompt_tokens` is refused before any image is decoded, and before a stream begins.
 """
 
 from __future__ import annotations
@@ -14,11 +16,16 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 from fastapi.responses import StreamingResponse
 
+from models.protocol import ItemSpec
+
+from .config import AppConfig, Limits
 from .errors import RequestError
 from .media import RawItem
+from .prompt_tokens import PromptText, count_text
 from .schemas import ChatMessage, ChatRequest, ImagePart, TextPart
 
 logger = logging.getLogger("ray.serve")
@@ -120,15 +127,11 @@ async def _generate_request(service, body: ChatRequest, scope: str | None):
             "max_tokens",
         )
     messages, urls, places = split_messages(body.messages)
-    chars = prompt_chars(messages)
-    if chars > config.llm.max_prompt_tokens * CHARS_PER_TOKEN_BOUND:
-        raise RequestError(
-            413,
-            f"prompt of {chars} characters exceeds llm.max_prompt_tokens={config.llm.max_prompt_tokens}",
-            "messages",
-        )
+    check_image_count(places, config.limits)
+    prompt = await _prompt_text(config, messages)
+    raws = [RawItem(i, "image", url) for i, url in enumerate(urls)]
     try:
-        decoded, encoded = await service.encode_raw([RawItem(i, "image", url) for i, url in enumerate(urls)], scope)
+        decoded, encoded = await service.encode_raw(raws, scope, check_specs=spec_check(prompt, places, config))
     except RequestError as error:
         raise _relabel(error, places) from None
     return GenerateRequest(
@@ -140,6 +143,71 @@ async def _generate_request(service, body: ChatRequest, scope: str | None):
         top_p=body.top_p,
         seed=body.seed,
     )
+
+
+async def _prompt_text(config: AppConfig, messages: list[dict]) -> PromptText:
+    """The prompt's text tokens, refused at once when they alone exceed the LLM's limit (a text far
+    too long for it is refused before it is tokenized)."""
+    limit = config.llm.max_prompt_tokens
+    chars = prompt_chars(messages)
+    if chars > limit * CHARS_PER_TOKEN_BOUND:
+        raise RequestError(413, f"prompt of {chars} characters exceeds llm.max_prompt_tokens={limit}", "messages")
+    prompt = await asyncio.to_thread(count_text, config.llm, messages)
+    if prompt.text_tokens > limit:
+        raise RequestError(
+            413, f"prompt of {prompt.text_tokens} text tokens exceeds llm.max_prompt_tokens={limit}", "messages"
+        )
+    return prompt
+
+
+def check_image_count(places: list[str], limits: Limits) -> None:
+    """Images over the request's item limit: the first one over it is named."""
+    limit = limits.max_items_per_request
+    if len(places) > limit:
+        place = places[limit]
+        raise RequestError(
+            413, f"{place}: {len(places)} images, over max_items_per_request={limit} from this one on", place
+        )
+
+
+def spec_check(prompt: PromptText, places: list[str], config: AppConfig) -> Callable[[list[ItemSpec]], None]:
+    """The check of a chat's inspected images, before any is decoded: their vision tokens within the
+    request's limit, and the whole prompt within the LLM's. An error names the image at which the
+    total passes the limit (the prompt's text counted first)."""
+    limits, max_prompt_tokens = config.limits, config.llm.max_prompt_tokens
+
+    def check(specs: list[ItemSpec]) -> None:
+        vision = [spec.output_tokens for spec in specs]
+        if sum(vision) > limits.max_tokens_per_request:
+            place = places[_passing(vision, 0, limits.max_tokens_per_request)]
+            raise RequestError(
+                413,
+                f"{place}: the images need {sum(vision)} vision tokens, over max_tokens_per_request="
+                f"{limits.max_tokens_per_request} from this image on",
+                place,
+            )
+        total = prompt.total(vision)
+        if total > max_prompt_tokens:
+            per_image = [tokens + prompt.tokens_per_image for tokens in vision]
+            place = places[_passing(per_image, prompt.text_tokens, max_prompt_tokens)]
+            raise RequestError(
+                413,
+                f"{place}: prompt of {total} tokens ({prompt.text_tokens} of text, {sum(vision)} of its images) "
+                f"exceeds llm.max_prompt_tokens={max_prompt_tokens} from this image on",
+                place,
+            )
+
+    return check
+
+
+def _passing(counts: list[int], start: int, limit: int) -> int:
+    """The index at which `start` plus the running sum of `counts` first exceeds `limit`."""
+    total = start
+    for index, count in enumerate(counts):
+        total += count
+        if total > limit:
+            return index
+    raise ValueError(f"{start} + {sum(counts)} does not exceed {limit}")
 
 
 async def _stream(service, request, include_usage: bool):

@@ -9,6 +9,8 @@ override them in the YAML's `deployments:` section, as for any Ray Serve applica
 from __future__ import annotations
 
 import json
+import re
+from pathlib import PurePosixPath
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -17,6 +19,22 @@ from encoder_graphs.config import GraphConfig
 from models.presets import PRESETS
 
 MiB = 1 << 20
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+"""A Hugging Face hub id (`org/name`, or a bare legacy `name`)."""
+
+
+def served_name(path: str) -> str:
+    """The name clients see for a checkpoint: a hub id as is; a local directory by its own name, so
+    that no server path is shown (a hub cache snapshot, `models--org--name/snapshots/<hash>`, by its
+    repository id). The name is read from the text alone, the same on every node."""
+    if HUB_ID.fullmatch(path):
+        return path
+    directory = PurePosixPath(path.rstrip("/"))
+    if directory.parent.name == "snapshots" and directory.parent.parent.name.startswith("models--"):
+        return directory.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return directory.name or "checkpoint"
 
 
 class _Strict(BaseModel):
@@ -32,7 +50,11 @@ class ModelSettings(_Strict):
     preset: str | None = Field(
         "tiny", description=f"Random-weight preset: 'tiny' or one of {sorted(PRESETS)}. Ignored when `path` is set."
     )
-    path: str | None = Field(None, description="Local checkpoint directory or hub id (full VLM or vision-only).")
+    path: str | None = Field(
+        None,
+        description="Local checkpoint directory or hub id (full VLM or vision-only). Clients see a hub id as "
+        "is and a directory by its name only.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Tower dtype; auto: bfloat16 on CUDA, float32 on CPU."
     )
@@ -69,7 +91,7 @@ class ModelSettings(_Strict):
     def model_id(self) -> str:
         """The name clients see in responses."""
         if self.path is not None:
-            return self.path
+            return served_name(self.path)
         return self.preset if self.preset in PRESETS else f"{self.family}-{self.preset}"
 
 
@@ -166,6 +188,12 @@ class Limits(_Strict):
     max_video_decode_pixels: int = Field(
         2_000_000_000, gt=0, description="Most pixels decoded for one video file (frames decoded x frame size)."
     )
+    max_frame_list_pixels: int = Field(
+        256 * 1920 * 1080,
+        gt=0,
+        description="Most pixels of one video sent as frames: every frame's width x height summed, from the "
+        "headers (each is decoded and kept, unlike a video file's skipped frames); 256 full-HD frames fit.",
+    )
     max_jpeg_scans: int = Field(
         100, gt=0, description="Most scans in a JPEG (progressive files have ~10; repeated scans decode slowly)."
     )
@@ -186,7 +214,11 @@ class LLMSettings(_Strict):
     preset: str = Field(
         "tiny", description="Random-weight preset: 'tiny' or a real size of the family. Ignored when `path` is set."
     )
-    path: str | None = Field(None, description="Full VLM checkpoint (dir or hub id) with its tokenizer.")
+    path: str | None = Field(
+        None,
+        description="Full VLM checkpoint (dir or hub id) with its tokenizer. Clients see a hub id as is and a "
+        "directory by its name only.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bf16 on CUDA, fp32 on CPU."
     )
@@ -204,14 +236,17 @@ class LLMSettings(_Strict):
         "limit_mm_per_prompt, ...); `model`, `dtype` and `enable_mm_embeds` are set from the fields above.",
     )
     max_prompt_tokens: int = Field(
-        8192, gt=0, description="Longest prompt (text and vision tokens) a chat request may have (413 above)."
+        8192,
+        gt=0,
+        description="Longest prompt (text and vision tokens) a chat request may have: counted by the router "
+        "with the LLM's tokenizer once its images are inspected, before any is decoded (413 above).",
     )
 
     @property
     def model_id(self) -> str:
         """The name chat clients use (`model`) and `/v1/models` lists."""
         if self.path is not None:
-            return self.path
+            return served_name(self.path)
         return self.preset if self.preset in PRESETS else f"{self.family}-{self.preset}"
 
     @model_validator(mode="after")

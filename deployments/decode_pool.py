@@ -7,8 +7,12 @@ template's memory.
 Jobs wait ordered by deadline (arrival + estimated cost), so a small image does not wait
 long behind a queue of large videos, and nothing starves. A job that runs past its time
 limit has its worker killed and replaced, and its item fails with 413; a worker that dies
-(a crashing codec) is replaced, and its item fails with 400. More than `max_queued` waiting
-jobs: `run` raises `Overloaded` at once, before anything is queued.
+(a crashing codec) is replaced, and its item fails with 400. A job that cannot be pickled to a
+worker, or unpickled there, fails its item with 400 and leaves the worker running. More than
+`max_queued` waiting jobs: `run` raises `Overloaded` at once, before anything is queued.
+
+The workers run with a minimal environment (`worker_environment`): no credentials of the router's
+reach a process that parses untrusted bytes.
 """
 
 from __future__ import annotations
@@ -51,6 +55,56 @@ class WorkerTimeout(Exception):
     pass
 
 
+class JobNotSent(Exception):
+    """A job's arguments could not be pickled for a worker (an object only the caller's process
+    can rebuild, such as a class defined in its `__main__`); nothing reached the worker."""
+
+
+NOT_SENT = "cannot be sent to a decode worker (it does not pickle): send a plain PIL image or the file's bytes"
+"""The error of an item whose job is `JobNotSent`."""
+
+
+class JobUnreadable(Exception):
+    """A worker's answer to a job it could not unpickle; the worker itself is fine."""
+
+
+PASSED_ENVIRONMENT = (
+    "PATH",
+    "HOME",
+    "TMPDIR",
+    "TZ",
+    "LANG",
+    "LANGUAGE",
+    "LD_LIBRARY_PATH",
+    "PYTHONHOME",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HUGGINGFACE_HUB_CACHE",
+    "TRANSFORMERS_CACHE",
+    "XDG_CACHE_HOME",
+    "TORCH_HOME",
+)
+"""The router's environment variables a decode worker gets (with every `LC_*`): where programs,
+libraries and cached checkpoints are, and the locale. Nothing else: no credentials reach a process
+that parses untrusted bytes."""
+WORKER_ENVIRONMENT = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "CUDA_VISIBLE_DEVICES": "",
+}
+"""Set for every decode worker: one core's worth of work each, no network (the router has fetched
+the checkpoint's files before the workers start), no GPU."""
+
+
+def worker_environment(parent: dict[str, str], python_path: list[str]) -> dict[str, str]:
+    """A decode worker's environment: the passed variables of `parent`, `WORKER_ENVIRONMENT`, and
+    `python_path` (the router's `sys.path`, so that the workers import the same code)."""
+    passed = {k: v for k, v in parent.items() if k in PASSED_ENVIRONMENT or k.startswith("LC_")}
+    return {**passed, **WORKER_ENVIRONMENT, "PYTHONPATH": os.pathsep.join(p for p in python_path if p)}
+
+
 @dataclass(frozen=True)
 class WorkerSetup:
     """What the template needs to build the workers' state (pickled into its process)."""
@@ -76,12 +130,11 @@ class Template:
         """Start the process without waiting: it imports the libraries, then waits for its setup
         (`start`), so the caller can do its own imports meanwhile."""
         ours, theirs = socket.socketpair()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
         process = subprocess.Popen(
             [sys.executable, "-m", "deployments.decode_worker", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
-            env=env,
+            env=worker_environment(dict(os.environ), sys.path),
         )
         theirs.close()
         return cls(process, ours)
@@ -142,7 +195,13 @@ class Worker:
         self.answers.recv()
 
     def call(self, name: str, args: tuple, timeout_s: float):
-        self.jobs.send((name, args))
+        """Send a job and wait for its answer. The job is pickled before anything is written, so one
+        that cannot be (`JobNotSent`) leaves the pipe and the worker as they were."""
+        try:
+            job = reduction.ForkingPickler.dumps((name, args))
+        except Exception as error:  # pickle raises many types for an object it cannot reduce
+            raise JobNotSent(f"{type(error).__name__}: {error}") from None
+        self.jobs.send_bytes(job)
         if not self.answers.poll(timeout_s):
             raise WorkerTimeout
         return self.answers.recv()
@@ -270,6 +329,11 @@ class DecodePool:
         try:
             answer = await self._loop.run_in_executor(self._threads, worker.call, job.name, job.args, self.timeout_s)
             self.stats.completed += 1
+            if not answer[0] and isinstance(answer[1], JobUnreadable):
+                answer = (False, item_error(job.index, 400, "cannot be read by a decode worker"))
+        except JobNotSent as error:  # the worker never saw it, and stays
+            logger.info("items[%d] cannot be sent to a decode worker: %s", job.index, error)
+            answer = (False, item_error(job.index, 400, NOT_SENT))
         except WorkerTimeout:
             self.stats.timeouts += 1
             answer = (False, item_error(job.index, 413, f"took over decode_timeout_s={self.timeout_s} s to decode"))

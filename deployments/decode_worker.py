@@ -4,8 +4,9 @@ One template process per pool imports the libraries and builds the preprocessor;
 forked from it (`template`). A worker answers one job at a time over its pipe: `(True, result)`
 or `(False, RequestError)`. Results carry pixels as numpy arrays, not tensors, so they cross the
 pipe as plain bytes (torch would hand tensors over through shared-memory file descriptors). Any
-failure on an item's bytes is that item's 400; the worker itself stays up. A worker that a job
-crashed or that ran past its time limit is replaced by the pool.
+failure on an item's bytes, or in pickling its job or answer, is that item's 400; the worker
+itself stays up. A worker that a job crashed or that ran past its time limit is replaced by the
+pool.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from models.processing import VisionPreprocessor
 from . import media
 from .cache import content_key
 from .config import Limits
-from .decode_pool import WorkerSetup
+from .decode_pool import JobUnreadable, WorkerSetup
 from .errors import RequestError, item_error
 
 logger = logging.getLogger(__name__)
@@ -80,15 +81,40 @@ def _answer(state: WorkerState, name: str, args: tuple) -> tuple[bool, object]:
         return False, item_error(index, 400, "cannot be decoded")
 
 
+def _read(job: bytes) -> tuple[str, tuple] | None:
+    """A job as the pool pickled it; None if it does not unpickle here."""
+    try:
+        return reduction.ForkingPickler.loads(job)
+    except Exception:  # an object whose unpickling fails in this process: the item's fault
+        logger.warning("a decode job could not be unpickled", exc_info=True)
+        return None
+
+
+def _pickled(answer: tuple[bool, object], args: tuple) -> bytes:
+    """The answer as bytes for the pipe; an answer that does not pickle is the item's 400."""
+    try:
+        return reduction.ForkingPickler.dumps(answer)
+    except Exception:  # what the job returned holds the item's own unpicklable object
+        logger.warning("a decode job's answer could not be pickled", exc_info=True)
+        refused = item_error(getattr(args[0], "index", 0), 400, "cannot be sent back from a decode worker")
+        return reduction.ForkingPickler.dumps((False, refused))
+
+
 def serve(state: WorkerState, jobs: Connection, answers: Connection) -> None:
-    """Say ready, then answer jobs until the router closes the pipe."""
+    """Say ready, then answer jobs until the router closes the pipe. A job or an answer that does not
+    pickle is answered as an error; the worker goes on."""
     answers.send((True, "ready"))
     while True:
         try:
-            name, args = jobs.recv()
+            job = jobs.recv_bytes()
         except (EOFError, OSError):  # the router went away
             return
-        answers.send(_answer(state, name, args))
+        read = _read(job)
+        if read is None:
+            answers.send((False, JobUnreadable()))
+            continue
+        name, args = read
+        answers.send_bytes(_pickled(_answer(state, name, args), args))
 
 
 def template(control_fd: int) -> None:

@@ -98,6 +98,7 @@ class EncoderReplica:
         if config.model.device == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads()))
         self.encoder = load_encoder(config)
+        self.model_id = config.model.model_id  # the served name: `encoder.name` is a checkpoint's path
         self.loaded_s = time.perf_counter() - start
         logger.info("loaded %s on %s in %.1f s", self.encoder.name, self.encoder.device, self.loaded_s)
         # ---- warm-up: ready after `prepare` (packs run eagerly), graphs go live in the background
@@ -402,7 +403,7 @@ class EncoderReplica:
 
     def describe(self) -> dict:
         return {
-            "model": self.encoder.name,
+            "model": self.model_id,
             "family": self.encoder.family,
             "device": str(self.encoder.device),
             "dtype": str(self.encoder.dtype).removeprefix("torch."),

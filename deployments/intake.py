@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from PIL import Image
 
+from models.protocol import ItemSpec
+
 from . import media
 from .config import AppConfig
 from .decode_pool import SMALL_BYTES, SMALL_PIXELS, DecodePool, Template, WorkerSetup
@@ -81,16 +83,35 @@ class Intake:
         if count > limit:
             raise RequestError(413, f"{count} items exceeds max_items_per_request={limit}", "items")
 
+    def from_python(self, items) -> list[media.RawItem]:
+        """The handle's `items` argument as raw items: a list (or tuple), within the item limit."""
+        if not isinstance(items, (list, tuple)):
+            raise RequestError(
+                400,
+                f"items must be a list of items, not {type(items).__name__}: PIL images, encoded image bytes "
+                'or {"type": "video", ...} dicts (one item: [item])',
+                "items",
+            )
+        self.check_item_count(len(items))
+        return [raw_from_python(index, item) for index, item in enumerate(items)]
+
     async def decode(
-        self, raws: list[media.RawItem], check_room: Callable[[int], None], key_prefix: str | None
+        self,
+        raws: list[media.RawItem],
+        check_room: Callable[[int], None],
+        key_prefix: str | None,
+        check_specs: Callable[[list[ItemSpec]], None] | None = None,
     ) -> list[media.DecodedItem]:
-        """Inspect every item, check the request (`check_room(tokens)` may refuse it), decode.
-        `key_prefix` None: no content keys (the request opted out of the cache)."""
+        """Inspect every item, check the request (`check_specs(specs)`, the caller's own check, and
+        `check_room(tokens)` may refuse it), decode. `key_prefix` None: no content keys (the request
+        opted out of the cache)."""
         self.check_item_count(len(raws))
         found = await self._all(
             self.pool.run("inspect", (raw,), raw.index, small=_size(raw) <= SMALL_BYTES) for raw in raws
         )
         specs = [f.spec for f in found]
+        if check_specs is not None:
+            check_specs(specs)
         media.check_request_tokens(specs, self.limits)
         check_room(sum(spec.output_tokens for spec in specs))
         decoded = await self._all(

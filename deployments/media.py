@@ -130,12 +130,26 @@ def _inspect_frames(frames: list, index: int, limits: Limits, pre: VisionPreproc
     frames = _each_frame(frames, index, lambda f: _bytes(f, index, limits))
     if sum(len(f) for f in frames if isinstance(f, bytes)) > limits.max_item_bytes:
         raise item_error(index, 413, f"frames total more than max_item_bytes={limits.max_item_bytes}")
-    sizes = set(_each_frame(frames, index, lambda f: _upright_size(_opened(f, index, limits))))
-    if len(sizes) != 1:
-        raise item_error(index, 400, f"video frames differ in size: {sorted((w, h) for h, w in sizes)}")
-    height, width = sizes.pop()
+    sizes = _each_frame(frames, index, lambda f: _upright_size(_opened(f, index, limits)))
+    check_frame_list_pixels(sizes, index, limits)
+    if len(set(sizes)) != 1:
+        raise item_error(index, 400, f"video frames differ in size: {sorted({(w, h) for h, w in sizes})}")
+    height, width = sizes[0]
     spec = check_spec(lambda: pre.video_spec(len(frames), height, width), index, limits)
     return Inspection(spec, frames, source_pixels=len(frames) * height * width)
+
+
+def check_frame_list_pixels(sizes: list[tuple[int, int]], index: int, limits: Limits) -> None:
+    """Every frame of a frame list is decoded and kept: bound their pixels, summed from the headers,
+    as a video file's decode is bounded (`video.check_decode_cost`)."""
+    pixels = sum(height * width for height, width in sizes)
+    if pixels > limits.max_frame_list_pixels:
+        raise item_error(
+            index,
+            413,
+            f"{len(sizes)} frames of {pixels} pixels in all exceed "
+            f"max_frame_list_pixels={limits.max_frame_list_pixels}",
+        )
 
 
 def sample_frame_indices(pre: VisionPreprocessor, frames: int, fps: float) -> list[int]:

@@ -22,7 +22,7 @@ from .decode_pool import Template
 from .encode_queue import EncodeQueue, ResultsLost
 from .fleet import EncoderFleet
 from .http import http_ingress
-from .intake import Intake, raw_from_http, raw_from_python
+from .intake import Intake, raw_from_http
 from .metrics import RouterMetrics
 from .ref_hold import ReferenceHold
 from .responses import float_json_body, json_body, safetensors_body
@@ -75,14 +75,15 @@ class EncodeService:
         return cache_scope(self.config.router.cache_sharing, tenant, salt) if use_cache else None
 
     async def encode_raw(
-        self, raws, scope: str | None, timing: dict[str, float] | None = None, read_here: bool = False
+        self, raws, scope: str | None, timing: dict[str, float] | None = None, read_here: bool = False, check_specs=None
     ):
         """Decode and encode request items: (decoded items, references to their results). `scope`:
         the cache scope its items share entries within (None: none). `timing` gets the seconds each
         stage took; `read_here`: this router reads the results (HTTP), and encodes again what it
-        finds lost, so cache hits need no check first."""
+        finds lost, so cache hits need no check first; `check_specs(specs)` may refuse the request
+        once its items are inspected, before they are decoded."""
         start = time.perf_counter()
-        decoded = await self.intake.decode(raws, self.queue.check_room, scope)
+        decoded = await self.intake.decode(raws, self.queue.check_room, scope, check_specs)
         decoded_at = time.perf_counter()
         self.metrics.preprocess_seconds.observe(decoded_at - start)
         encoded = await self.queue.encode(decoded, check_hits=not read_here)
@@ -138,7 +139,7 @@ class EncodeService:
         """The handle's `encode`: `EncodeResult`s, or `ItemRef`s with `as_refs`; the references are
         held for `router.handle_hold_s`. Handle callers are one tenant (`HANDLE_TENANT`)."""
         timing: dict[str, float] = {}
-        raws = [raw_from_python(index, item) for index, item in enumerate(items)]
+        raws = self.intake.from_python(items)
         decoded, encoded = await self.encode_raw(raws, self.cache_scope(cache, HANDLE_TENANT, cache_salt), timing)
         kind = ItemRef if as_refs else EncodeResult
         timing_ms = {stage: round(seconds * 1e3, 3) for stage, seconds in timing.items()}

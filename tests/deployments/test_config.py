@@ -219,3 +219,22 @@ def test_the_router_module_imports_no_torch():
     root = __import__("pathlib").Path(__file__).parents[2]
     done = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("path", "served"),
+    [
+        ("Qwen/Qwen3-VL-8B-Instruct", "Qwen/Qwen3-VL-8B-Instruct"),
+        ("/srv/private/checkpoints/qwen3-vl-2b/", "qwen3-vl-2b"),
+        ("./checkpoints/qwen3-vl-2b", "qwen3-vl-2b"),
+        ("~/models/internvl3-1b", "internvl3-1b"),
+        (
+            "/home/me/.cache/huggingface/hub/models--Qwen--Qwen3-VL-2B-Instruct/snapshots/0123abcd",
+            "Qwen/Qwen3-VL-2B-Instruct",
+        ),
+    ],
+    ids=["hub id", "absolute directory", "relative directory", "home directory", "hub cache snapshot"],
+)
+def test_a_checkpoint_is_served_by_its_hub_id_or_its_directorys_name(path, served):
+    config = AppConfig.model_validate({"model": {"path": path}, "llm": {"path": path}})
+    assert config.model.model_id == config.llm.model_id == served

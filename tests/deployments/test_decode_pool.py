@@ -1,5 +1,6 @@
 """The decode pool's processes: workers forked from one template, replaced when a job outlives its
-time limit, and a new template when the old one is gone."""
+time limit, and a new template when the old one is gone; a job that cannot be pickled to a worker
+or unpickled there fails its item and leaves the worker be; no credentials reach the workers."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from PIL import Image
 
 from deployments.config import AppConfig
-from deployments.decode_pool import DecodePool, Template, WorkerSetup
+from deployments.decode_pool import DecodePool, Template, WorkerSetup, worker_environment
 from deployments.errors import RequestError
 from deployments.media import RawItem
 
@@ -162,3 +163,84 @@ def test_a_router_that_fails_to_start_leaves_no_decode_template(monkeypatch):
         asyncio.run(instance.__init__(config, None, None, deployment_ladder(config)))
     assert len(spawned) == 1 and spawned[0].process.poll() is not None
     asyncio.run(instance.__del__())  # Serve's ingress makes it a coroutine; nothing the constructor missed
+
+
+def refuse_to_unpickle():
+    raise ValueError("not rebuilt in a decode worker")
+
+
+class UnpicklesNowhere:
+    """Pickles, but unpickling it raises (in a decode worker: after the job was sent)."""
+
+    def __reduce__(self):
+        return (refuse_to_unpickle, ())
+
+
+def test_a_job_that_does_not_pickle_is_its_items_400_and_no_worker_is_replaced(pool):
+    class Local(Image.Image):  # a class defined in a function: plain pickle cannot name it
+        pass
+
+    image = Image.new("RGB", (64, 48))
+    image.__class__ = Local
+    template = pool.describe()["template_pid"]
+    before = live_children(template, 3)
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(pool.run("inspect", (RawItem(2, "image", image),), 2))
+    assert refused.value.status == 400 and refused.value.param == "items[2]"
+    assert "does not pickle" in refused.value.message
+    assert live_children(template, 3) == before and pool.describe()["crashes"] == 0
+    assert inspect(pool, png(32, 32)).spec.grid_thw[0] == 1
+
+
+def test_a_job_that_does_not_unpickle_in_its_worker_is_its_items_400_and_the_worker_stays(pool):
+    template = pool.describe()["template_pid"]
+    before = live_children(template, 3)
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(pool.run("inspect", (RawItem(1, "image", UnpicklesNowhere()),), 1, small=True))
+    assert refused.value.status == 400 and refused.value.param == "items[1]"
+    assert "cannot be read by a decode worker" in refused.value.message
+    assert live_children(template, 3) == before and pool.describe()["crashes"] == 0
+    assert inspect(pool, png(32, 32)).spec.grid_thw[0] == 1
+
+
+def test_a_worker_environment_keeps_paths_and_locale_and_drops_the_rest():
+    parent = {
+        "PATH": "/usr/bin",
+        "HOME": "/home/someone",
+        "LC_ALL": "C.UTF-8",
+        "HF_HOME": "/cache/hf",
+        "HF_TOKEN": "hf_secret",
+        "RAY_AUTH_TOKEN": "secret",
+        "AWS_SECRET_ACCESS_KEY": "secret",
+        "OMP_NUM_THREADS": "16",
+        "PYTHONPATH": "/elsewhere",
+    }
+    assert worker_environment(parent, ["", "/code", "/site"]) == {
+        "PATH": "/usr/bin",
+        "HOME": "/home/someone",
+        "LC_ALL": "C.UTF-8",
+        "HF_HOME": "/cache/hf",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": os.pathsep.join(["/code", "/site"]),
+    }
+
+
+def test_the_template_and_its_workers_run_without_the_routers_credentials(monkeypatch):
+    secrets = {"HF_TOKEN": "hf_pool_test", "RAY_AUTH_TOKEN": "pool-test", "AWS_SECRET_ACCESS_KEY": "pool-test"}
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)
+    config = AppConfig()
+    pool = DecodePool(WorkerSetup(config.model, config.limits), workers=1, timeout_s=5.0, max_queued=16)
+    try:
+        pool.start()
+        template = pool.describe()["template_pid"]
+        processes = [template, *live_children(template, 2)]
+        assert len(processes) == 3 and inspect(pool, png(32, 32)).spec.grid_thw[0] == 1
+        for pid in processes:
+            assert not set(secrets) & set(psutil.Process(pid).environ()), pid
+    finally:
+        pool.close()
