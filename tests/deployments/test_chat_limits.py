@@ -154,7 +154,7 @@ def stream_events(client, url: str, body: dict) -> tuple[int, list[str]]:
 
 def decode_jobs(client, url: str) -> tuple[int, int]:
     """(decode-pool jobs completed, embedding-cache misses) of the app's router."""
-    router = model_detail(client, url)["router"]
+    router = model_detail(url)["router"]
     return router["decode_pool"]["completed"], router["cache"]["misses"]
 
 

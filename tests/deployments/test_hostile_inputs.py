@@ -408,7 +408,7 @@ class RouterWatch:
 
 
 def router_pid(client: httpx.Client, url: str) -> int:
-    return model_detail(client, url)["router"]["pid"]
+    return model_detail(url)["router"]["pid"]
 
 
 def zeros(count: int) -> bytes:

@@ -57,7 +57,7 @@ def frames_item(frames: list[bytes]) -> dict:
 
 
 def decode_pool(client, url: str) -> dict:
-    return model_detail(client, url)["router"]["decode_pool"]
+    return model_detail(url)["router"]["decode_pool"]
 
 
 def assert_error(response, status: int, param: str | None, *message: str) -> None:
@@ -165,7 +165,7 @@ def test_decode_workers_get_no_credentials_and_still_decode(urls, serve_harness)
             url + "/v1/encode", json=frames_item([image_file(pattern(64, 48, seed=n), "PNG") for n in range(2)])
         )
         assert response.status_code == 200, response.text[:300]
-        detail = model_detail(client, url)["router"]
+        detail = model_detail(url)["router"]
     router = psutil.Process(detail["pid"]).environ()
     assert all(router.get(name) == value for name, value in SECRETS.items())  # the test's premise
     processes = decode_processes(detail["decode_pool"]["template_pid"])

@@ -34,7 +34,7 @@ def test_every_metric_reports_sensible_values_after_a_known_workload(serve_harne
     small = image_file(pattern(256, 256, seed=90), "PNG")  # 64 tokens with the tiny Qwen3-VL processor
     huge = image_file(pattern(2600, 2600, seed=91), "PNG")  # > 4096 tokens: larger than every budget
     before = scrape(port)
-    with serve_harness.http() as client:
+    with serve_harness.http(headers={"Authorization": "Bearer metrics"}) as client:  # one tenant: one cache scope
         for _ in range(3):  # one miss, then two cache hits
             assert (
                 client.post(url + "/v1/encode", json={"items": [{"type": "image", "image": b64(small)}]}).status_code
