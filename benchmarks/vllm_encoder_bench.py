@@ -47,7 +47,6 @@ concatenated the same way), as max |a - b| / max |b|.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -195,21 +194,37 @@ def scheduler_budgets(llm, runner) -> tuple[int, int]:
 
 
 def tuned_manager(runner, budgets: list[int], max_items: int, max_frames: int):
-    """(manager, capture seconds): vLLM's `EncoderCudaGraphManager` for the runner's model with
-    these budgets, items and frames per batch, captured into a pool of its own."""
-    from vllm.v1.worker.encoder_cudagraph import EncoderCudaGraphManager
-
-    config = copy.copy(runner.vllm_config)
-    config.compilation_config = copy.deepcopy(runner.vllm_config.compilation_config)
-    config.compilation_config.encoder_cudagraph_token_budgets = list(budgets)
-    config.compilation_config.encoder_cudagraph_max_vision_items_per_batch = max_items
-    config.compilation_config.encoder_cudagraph_max_frames_per_batch = max_frames
-    manager = EncoderCudaGraphManager(config, runner.device, runner.dtype, runner.get_model())
+    """(manager, capture seconds): `encoder_graph_manager`'s, captured into a pool of its own."""
+    manager = encoder_graph_manager(runner, budgets, max_items, max_frames)
     start = time.perf_counter()
     with torch.inference_mode():
         manager.capture(graph_pool=torch.cuda.graph_pool_handle())
     torch.cuda.synchronize()
     return manager, time.perf_counter() - start
+
+
+def encoder_graph_manager(runner, budgets: list[int], max_items: int, max_frames: int):
+    """vLLM's `EncoderCudaGraphManager` for the runner's model with these budgets, items and frames
+    per batch (not captured yet). The manager reads them from the engine's compilation config as it
+    is built; they are set there for that moment only (a copy of the config would copy the model's
+    layers it refers to)."""
+    from vllm.v1.worker.encoder_cudagraph import EncoderCudaGraphManager
+
+    compilation = runner.vllm_config.compilation_config
+    names = (
+        "encoder_cudagraph_token_budgets",
+        "encoder_cudagraph_max_vision_items_per_batch",
+        "encoder_cudagraph_max_frames_per_batch",
+    )
+    saved = {name: getattr(compilation, name) for name in names}
+    try:
+        for name, value in zip(names, (list(budgets), max_items, max_frames)):
+            setattr(compilation, name, value)
+        manager = EncoderCudaGraphManager(runner.vllm_config, runner.device, runner.dtype, runner.get_model())
+    finally:
+        for name, value in saved.items():
+            setattr(compilation, name, value)
+    return manager
 
 
 def manager_summary(manager) -> dict | None:
@@ -263,20 +278,31 @@ def stream_pass(calls: list, device: torch.device, each: bool) -> tuple[float, l
     return time.perf_counter() - begin, samples
 
 
-def timed_rounds(calls: dict[str, list], device: torch.device, rounds: int) -> dict[str, dict]:
-    """One untimed pass per system (ours learns its routes' costs, allocators settle), then `rounds`
-    of a throughput pass per system and a latency pass per system, the order reversed every round."""
-    for fns in calls.values():
-        stream_pass(fns, device, each=False)
+def timed_rounds(calls: dict[str, list], device: torch.device, rounds: int, deadline: float) -> dict[str, dict]:
+    """One untimed pass per system (ours learns its routes' costs, allocators settle), then up to
+    `rounds` of a throughput pass per system and a latency pass per system, the order reversed every
+    round; a round that would end past `deadline` (`time.monotonic()`) is not begun, but the first is."""
+    warm = {}
+    for name, fns in calls.items():
+        warm[name] = stream_pass(fns, device, each=False)[0]
+    print("warm pass: " + ", ".join(f"{n} {t:.2f} s" for n, t in warm.items()), flush=True)
     results: dict[str, dict] = {name: {"seconds": [], "latency": []} for name in calls}
     names = list(calls)
     for round_ in range(rounds):
+        if round_ and time.monotonic() + 2.2 * sum(warm.values()) > deadline:
+            print(f"stopping after {round_} rounds: another would pass the time limit", flush=True)
+            break
         order = names if round_ % 2 == 0 else names[::-1]
         for name in order:
             results[name]["seconds"].append(stream_pass(calls[name], device, each=False)[0])
         for name in order:
             results[name]["latency"].extend(stream_pass(calls[name], device, each=True)[1])
-        print(f"round {round_ + 1}: " + ", ".join(f"{n} {results[n]['seconds'][-1]:.2f} s" for n in names), flush=True)
+        tokens = sum(t for _, t in next(iter(calls.values())))
+        print(
+            f"round {round_ + 1}: "
+            + ", ".join(f"{n} {tokens / results[n]['seconds'][-1]:,.0f} tokens/s" for n in names),
+            flush=True,
+        )
     return results
 
 
@@ -336,10 +362,14 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--vllm-kwargs", default="{}", help="more vllm.LLM arguments, JSON")
     parser.add_argument("--tuned", action=argparse.BooleanOptionalAction, default=True, help="also vllm-tuned")
+    parser.add_argument(
+        "--time-limit", type=float, default=float("inf"), help="seconds: fewer rounds rather than no results"
+    )
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="vllm_encoder_bench")
     args = parser.parse_args()
 
+    started = time.monotonic()
     checkpoint = Path(args.checkpoint)
     if not (checkpoint / "config.json").is_file():
         raise SystemExit(f"{checkpoint} holds no config.json: write one with python -m models.tiny_checkpoint")
@@ -371,10 +401,16 @@ def main() -> None:
     if device.type == "cuda" and default is None:
         raise SystemExit(f"vLLM's {type(vrunner).__name__} has no encoder graph manager: its encoder graphs are off")
     managers = {"vllm-graphs": default} if default is not None else {}
-    tuned_s = None
+    tuned_s = tuned_error = None
     if args.tuned and default is not None:
         frames = ladder.max_items * max(s.grid_thw[0] for s in specs)
-        managers["vllm-tuned"], tuned_s = tuned_manager(vrunner, list(runner.table.budgets), ladder.max_items, frames)
+        try:
+            managers["vllm-tuned"], tuned_s = tuned_manager(
+                vrunner, list(runner.table.budgets), ladder.max_items, frames
+            )
+        except Exception as error:  # noqa: BLE001 - the other systems' numbers are still worth having
+            tuned_error = f"{type(error).__name__}: {error}"
+            print(f"vllm-tuned left out: {tuned_error}", flush=True)
     managers["vllm-eager"] = None
     window, step_budget = scheduler_budgets(llm, vrunner)
     print(f"vLLM engine {engine_s:.1f} s, tuned graphs {tuned_s} s; a step: {window} tokens, encoder {step_budget}")
@@ -405,7 +441,7 @@ def main() -> None:
             (lambda manager=manager, m=m, b=b: vllm_call(model, manager, m, b), sum(tokens[i] for i in run))
             for m, b, run in batches
         ]
-    results = timed_rounds(calls, device, args.rounds)
+    results = timed_rounds(calls, device, args.rounds, started + args.time_limit - 60)
 
     paths = {
         "ours": our_call(runner, single_rows, [single_spec]),
@@ -457,6 +493,7 @@ def main() -> None:
             "encoder_step_budget": step_budget,
             "steps": len(steps),
             "tuned_capture_s": tuned_s,
+            "tuned_error": tuned_error,
             "managers": {name: manager_summary(m) for name, m in managers.items()},
             "options": options,
         },

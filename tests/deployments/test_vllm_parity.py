@@ -172,7 +172,10 @@ def served(setting, checkpoint, serve_harness) -> dict:
             ).model_dump()
             found["chat"][count] = (reply["choices"][0]["token_ids"], reply["usage"]["prompt_tokens"])
         router = serve.get_app_handle(APP)
-        encoded = router.encode.remote([*IMAGES, {"type": "video", "frames": VIDEO_FRAMES}]).result()
+        encoded = (
+            router.encode.remote(IMAGES).result()
+            + router.encode.remote([{"type": "video", "frames": VIDEO_FRAMES}]).result()
+        )
         found["embeddings"] = [
             (ItemOutput(e.embedding.clone(), e.deepstack.clone()), tuple(e.grid_thw)) for e in encoded
         ]
