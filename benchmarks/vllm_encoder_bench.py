@@ -489,6 +489,7 @@ def main() -> None:
         vllm_engine={
             "start_s": engine_s,
             "runner": type(vrunner).__name__,
+            "vit_attention": str(getattr(getattr(model, "visual", None), "attn_backend", None)),
             "step_tokens": window,
             "encoder_step_budget": step_budget,
             "steps": len(steps),

@@ -332,6 +332,8 @@ def save_random_vlm(
     logger.info("generated %s (%.2fB parameters) on %s in %.1f s", found.name, parameters / 1e9, device, generated_s)
     model.save_pretrained(partial, max_shard_size=max_shard_size)
     del model
+    if str(device).startswith("cuda"):
+        torch.cuda.empty_cache()  # a process that goes on (a test) leaves the GPU to the engines it starts
     _save_processor(build_preset_processor(found), partial)
     record = {
         "preset": found.name,

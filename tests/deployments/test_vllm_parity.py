@@ -132,16 +132,9 @@ def frame_seconds() -> list[float]:
     return [index / VIDEO_FPS for index in range(len(VIDEO_FRAMES))]
 
 
-@pytest.fixture(scope="module")
-def served(setting, checkpoint, serve_harness) -> dict:
-    """configs/epd-vllm.yaml on the checkpoint: chat ids per prompt, the video's ids, and our
-    embeddings of every image and the clip (as the encoder replica served them); the app is
-    removed afterwards, so the offline engine has the device to itself."""
-    one_gpu = setting.device == "cuda" and torch.cuda.device_count() == 1
-    replica = {"num_cpus": 0, "num_gpus": 0.5 if one_gpu else (1 if setting.device == "cuda" else 0)}
-    serve_harness.deploy_timeout_s = max(serve_harness.deploy_timeout_s, 900)
-    started = time.perf_counter()
-    url = serve_harness.deploy(
+def deploy(serve_harness, setting: Setting, checkpoint: str, replica: dict) -> str:
+    """configs/epd-vllm.yaml on the checkpoint, one router, the replicas' resources as given; its URL."""
+    return serve_harness.deploy(
         "configs/epd-vllm.yaml",
         name=APP,
         route_prefix=f"/{APP}",
@@ -153,6 +146,7 @@ def served(setting, checkpoint, serve_harness) -> dict:
         model={"family": "qwen3-vl", "path": checkpoint, "device": setting.device, "dtype": setting.dtype},
         graphs=setting.graphs,
         limits={"max_items_per_request": 3},
+        router={"request_timeout_s": 900},  # 64 tokens of a CPU engine on a busy machine take minutes
         llm={
             "family": "qwen3-vl",
             "path": checkpoint,
@@ -162,6 +156,23 @@ def served(setting, checkpoint, serve_harness) -> dict:
             "engine_kwargs": {**setting.engine_kwargs, **gpu_memory_utilization(setting)},
         },
     )
+
+
+@pytest.fixture(scope="module")
+def served(setting, checkpoint, serve_harness) -> dict:
+    """configs/epd-vllm.yaml on the checkpoint: chat ids per prompt, the video's ids, and our
+    embeddings of every image and the clip (as the encoder replica served them); the app is
+    removed afterwards, so the offline engine has the device to itself."""
+    one_gpu = setting.device == "cuda" and torch.cuda.device_count() == 1
+    replica = {"num_cpus": 0, "num_gpus": 0.5 if one_gpu else (1 if setting.device == "cuda" else 0)}
+    # a GPU start takes 1-2 minutes (the 8B weights, vLLM's profiling); a busy 2-core CPU host many more
+    previous = serve_harness.deploy_timeout_s
+    serve_harness.deploy_timeout_s = 420 if setting.device == "cuda" else max(previous, 900)
+    started = time.perf_counter()
+    try:
+        url = deploy(serve_harness, setting, checkpoint, replica)
+    finally:
+        serve_harness.deploy_timeout_s = previous
     found = {"deploy_s": time.perf_counter() - started, "chat": {}}
     try:
         client = OpenAI(base_url=url + "/v1", api_key="unused", timeout=600)
