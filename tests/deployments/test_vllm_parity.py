@@ -2,18 +2,23 @@
 
 One checkpoint serves both: `configs/epd-vllm.yaml` (our encoder replica, vLLM fed its embeddings by
 reference) and vLLM run its own way offline (`vllm.LLM`, its processor and vision tower on the
-pixels). Settings: `gpu` (marked gpu): the Qwen3-VL-8B random-weight checkpoint at
-`$VLLM_PARITY_CHECKPOINT` (written here on the GPU when unset), bf16, 64 greedy tokens; `cpu`: the
-tiny checkpoint in vLLM-CPU's shape, float32 (run by `.ci/vllm`).
+pixels), for one image, three images and an 8-frame clip. Settings: `gpu` (marked gpu): the
+Qwen3-VL-8B random-weight checkpoint at `$VLLM_PARITY_CHECKPOINT` (written here on the GPU when
+unset), bf16, 64 greedy tokens; `cpu`: the tiny checkpoint in vLLM-CPU's shape, float32 (run by
+`.ci/vllm`).
 
-Random weights make greedy continuations repetitive, so equal ids alone could hold with wrong
-embeddings. The offline engine therefore also scores the 3-image prompt (its prompt logprobs, from
-the first vision token on) fed vLLM's pixels, our served embeddings, and two wrong versions of
-ours: the deepstack features zeroed, and two same-size images' embeddings swapped. Ours must lie
-several times closer to vLLM's own than either wrong one does; a broken handoff (deepstack lost or
-misordered, items swapped) fails there even where the ids would not. The offline engine fed our
-served embeddings must also give the served ids exactly (same embeddings, same engine: the
-handoff alone). Records go to `$RESULTS_DIR/vllm_parity_<setting>.json`.
+Three checks. (1) The offline engine fed our served embeddings gives the served ids exactly (same
+embeddings, same engine: the handoff alone). (2) The prompt's logprobs from the first vision token
+on, fed our embeddings, lie several times closer to vLLM's own from pixels than fed wrong versions
+of ours (deepstack zeroed; two same-size images swapped): random weights make greedy continuations
+repetitive, and a broken handoff fails here even where ids would not. (3) The served greedy ids
+equal vLLM's own from pixels, or part from them only at a near-tie: where vLLM's own top choice
+leads the token served by at most twice the largest prompt-logprob shift our embeddings make. In
+float32 the ids are equal; in bf16 the two towers round differently, and a random model's
+continuation meets near-ties (vLLM-CPU 0.26, the tiny checkpoint in bf16: the three images' ids
+part at step 20, where vLLM's own top two differ by 0.008 nats, the clip's at step 3, an exact tie,
+while (1) and (2) hold, the latter by 100x). `ids_equal` and `divergence` in the record say which.
+Records go to `$RESULTS_DIR/vllm_parity_<setting>.json`.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ CLOSER = 4.0
 """How many times closer to vLLM's own prompt logprobs ours must be than the wrong embeddings'."""
 TEMPORAL_PATCH = 2
 """Qwen3-VL's frames per temporal patch (its video timestamps are per patch)."""
+TOP_LOGPROBS = 5
+"""Logprobs kept per step of vLLM's own greedy generation (where the served ids part from it)."""
 
 
 def picture(width: int, height: int, seed: int) -> Image.Image:
@@ -249,8 +256,10 @@ def prompt_logprobs(output, start: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def reference(setting, checkpoint, served) -> dict:
-    """vLLM offline on the same checkpoint: ids from pixels and from our served embeddings, and the
-    3-image prompt's logprobs from pixels, ours and the wrong versions of ours."""
+    """vLLM offline on the same checkpoint, per prompt: its greedy ids from pixels (with each step's
+    top logprobs), its ids fed our served embeddings, and the largest shift of a prompt logprob
+    (from the first vision token on) between the two feeds; for the 3-image prompt also the prompt
+    logprobs fed the wrong versions of ours."""
     from vllm import LLM, SamplingParams
 
     started = time.perf_counter()
@@ -262,45 +271,60 @@ def reference(setting, checkpoint, served) -> dict:
         **setting.engine_kwargs,
         **gpu_memory_utilization(setting),
     )
-    found = {"start_s": time.perf_counter() - started, "pixels": {}, "fed": {}}
+    found = {"start_s": time.perf_counter() - started, "pixels": {}, "pixel_top": {}, "fed": {}, "shift": {}}
     processor = AutoProcessor.from_pretrained(checkpoint)
-
+    vision_start = processor.tokenizer.convert_tokens_to_ids("<|vision_start|>")
     generate = functools.partial(one_output, engine)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=TOP_LOGPROBS)
+    scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
 
     def ids(out) -> tuple[list[int], int]:
         return list(out.outputs[0].token_ids), len(out.prompt_token_ids)
 
+    def text(messages: list[dict]) -> str:
+        return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
     embeddings = served["embeddings"]
-    texts = {}
-    for count, images in PROMPTS.items():
-        texts[count] = processor.apply_chat_template(hf_messages(count), tokenize=False, add_generation_prompt=True)
-        found["pixels"][count] = ids(generate(texts[count], {"image": images}))
-        found["fed"][count] = ids(generate(texts[count], image_data(embeddings[:count])))
-    video_text = processor.apply_chat_template(video_messages(), tokenize=False, add_generation_prompt=True)
-    count = len(VIDEO_FRAMES)
+    frames = np.stack([np.asarray(frame) for frame in VIDEO_FRAMES])
     metadata = {
         "fps": VIDEO_FPS,
-        "frames_indices": list(range(count)),
-        "total_num_frames": count,
-        "duration": count / VIDEO_FPS,
+        "frames_indices": list(range(len(VIDEO_FRAMES))),
+        "total_num_frames": len(VIDEO_FRAMES),
+        "duration": len(VIDEO_FRAMES) / VIDEO_FPS,
         "do_sample_frames": False,
     }
-    frames = np.stack([np.asarray(frame) for frame in VIDEO_FRAMES])
-    found["pixels"]["video"] = ids(generate(video_text, {"video": (frames, metadata)}))
-    (video, grid) = embeddings[-1]
-    fed_video = multi_modal_data(["video"], [video], [grid], [frame_seconds()], TEMPORAL_PATCH)
-    found["fed"]["video"] = ids(generate(video_text, fed_video))
-
-    scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-    vision_start = processor.tokenizer.convert_tokens_to_ids("<|vision_start|>")
-    pixels = generate(texts[3], {"image": IMAGES}, scored)
-    start = pixels.prompt_token_ids.index(vision_start)
-    found["logprobs_pixels"] = prompt_logprobs(pixels, start)
-    found["logprobs"] = {"ours": prompt_logprobs(generate(texts[3], image_data(embeddings[:3]), scored), start)}
+    video, grid = embeddings[-1]
+    feeds = {  # prompt: (text, vLLM's own input, our embeddings as the vLLM replica passes them)
+        **{
+            count: (text(hf_messages(count)), {"image": images}, image_data(embeddings[:count]))
+            for count, images in PROMPTS.items()
+        },
+        "video": (
+            text(video_messages()),
+            {"video": (frames, metadata)},
+            multi_modal_data(["video"], [video], [grid], [frame_seconds()], TEMPORAL_PATCH),
+        ),
+    }
+    starts = {}
+    for key, (prompt, pixels, ours) in feeds.items():
+        out = generate(prompt, pixels, greedy)
+        found["pixels"][key] = ids(out)
+        found["pixel_top"][key] = [{t: lp.logprob for t, lp in step.items()} for step in out.outputs[0].logprobs]
+        found["fed"][key] = ids(generate(prompt, ours))
+        from_pixels = generate(prompt, pixels, scored)
+        starts[key] = start = from_pixels.prompt_token_ids.index(vision_start)
+        logprobs = {
+            "pixels": prompt_logprobs(from_pixels, start),
+            "ours": prompt_logprobs(generate(prompt, ours, scored), start),
+        }
+        found["shift"][key] = float(np.abs(logprobs["ours"] - logprobs["pixels"]).max())
+        if key == 3:
+            found["logprobs_pixels"], found["logprobs"] = logprobs.pop("pixels"), logprobs
     found["control_ids_equal_pixels"] = {}
+    prompt = feeds[3][0]
     for name, wrong in controls(embeddings[:3]).items():
-        found["logprobs"][name] = prompt_logprobs(generate(texts[3], image_data(wrong), scored), start)
-        found["control_ids_equal_pixels"][name] = ids(generate(texts[3], image_data(wrong)))[0] == found["pixels"][3][0]
+        found["logprobs"][name] = prompt_logprobs(generate(prompt, image_data(wrong), scored), starts[3])
+        found["control_ids_equal_pixels"][name] = ids(generate(prompt, image_data(wrong)))[0] == found["pixels"][3][0]
     del generate, engine  # its engine ends here
     gc.collect()
     return found
@@ -311,18 +335,42 @@ def distances(reference: dict) -> dict[str, float]:
     return {name: float(np.abs(lp - reference["logprobs_pixels"]).mean()) for name, lp in reference["logprobs"].items()}
 
 
+def divergence(served_ids: list[int], ids: list[int], top: list[dict], shift: float) -> dict | None:
+    """Where the served ids first leave vLLM's own (None: nowhere): the step, how far vLLM's own top
+    choice there leads the token served (its logprob gap; inf outside vLLM's top logprobs), and the
+    bound such a gap must stay within to be a near-tie our embeddings' rounding may flip (twice the
+    largest prompt-logprob shift they make)."""
+    step = next((i for i, (a, b) in enumerate(zip(served_ids, ids)) if a != b), None)
+    if step is None and len(served_ids) == len(ids):
+        return None
+    step = min(len(served_ids), len(ids)) if step is None else step
+    taken = served_ids[step] if step < len(served_ids) else None
+    best = max(top[step].values()) if step < len(top) else float("inf")
+    gap = best - top[step][taken] if step < len(top) and taken in top[step] else float("inf")
+    return {"step": step, "gap": gap, "bound": 2 * shift}
+
+
 @pytest.fixture(scope="module")
 def record(setting, served, reference):
     """Everything compared, written under RESULTS_DIR once the module's tests have run."""
+    served_ids = {**served["chat"], "video": served["video"]}
     found = {
         "test": "tests/deployments/test_vllm_parity.py",
         "setting": setting.name,
         "device": torch.cuda.get_device_name() if setting.device == "cuda" else "cpu",
         "vllm": __import__("vllm").__version__,
         "torch": torch.__version__,
-        "served_ids": {str(k): v for k, v in {**served["chat"], "video": served["video"]}.items()},
+        "served_ids": {str(k): v for k, v in served_ids.items()},
         "pixel_ids": {str(k): v for k, v in reference["pixels"].items()},
         "fed_offline_ids": {str(k): v for k, v in reference["fed"].items()},
+        "ids_equal": {str(k): served_ids[k] == reference["pixels"][k] for k in served_ids},
+        "divergence": {
+            str(k): divergence(
+                served_ids[k][0], reference["pixels"][k][0], reference["pixel_top"][k], reference["shift"][k]
+            )
+            for k in served_ids
+        },
+        "prompt_logprob_shift": {str(k): v for k, v in reference["shift"].items()},
         "logprob_distances": distances(reference),
         "control_ids_equal_pixels": reference["control_ids_equal_pixels"],
         "deploy_s": served["deploy_s"],
@@ -333,18 +381,15 @@ def record(setting, served, reference):
     (RESULTS_DIR / f"vllm_parity_{setting.name}.json").write_text(json.dumps(found, indent=2))
 
 
-@pytest.mark.parametrize("count", sorted(PROMPTS))
-def test_served_greedy_ids_equal_vllm_from_pixels(served, reference, record, count):
-    ids, prompt_tokens = reference["pixels"][count]
-    served_ids, served_prompt = served["chat"][count]
+@pytest.mark.parametrize("key", [*PROMPTS, "video"], ids=str)
+def test_served_greedy_ids_equal_vllm_from_pixels(served, reference, record, key):
+    """Equal ids, or ids that part only at a near-tie of vLLM's own greedy choice (bf16: vLLM's tower
+    and ours round differently, and a random model's continuation meets near-ties)."""
+    ids, prompt_tokens = reference["pixels"][key]
+    served_ids, served_prompt = {**served["chat"], "video": served["video"]}[key]
     assert served_prompt == prompt_tokens  # the same prompt, placeholders expanded alike
-    same = next((i for i, (a, b) in enumerate(zip(served_ids, ids)) if a != b), None)
-    assert served_ids == ids, f"first differing id at {same}: {record['logprob_distances']}"
-    assert len(ids) == MAX_TOKENS
-
-
-def test_served_video_ids_equal_vllm_from_frames(served, reference, record):
-    assert served["video"] == reference["pixels"]["video"], record["logprob_distances"]
+    parted = record["divergence"][str(key)]
+    assert parted is None or parted["gap"] <= parted["bound"], (parted, served_ids, ids)
 
 
 def test_offline_vllm_fed_the_served_embeddings_gives_the_served_ids(served, reference):
