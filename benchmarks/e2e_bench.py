@@ -878,10 +878,32 @@ def run_baseline(args, name: str, requests: list[list], record: Record) -> None:
         ray.shutdown()
 
 
+def decoded_items(pre, requests: list[list]) -> list[tuple]:
+    """(resized uint8 pixels, spec) of every item of the requests in order: decoded and resized by
+    the preprocessor `pre`, as the router's decode workers do."""
+    import torch
+    from PIL import Image
+
+    items = []
+    for request in requests:
+        for item in request:
+            frames = item if isinstance(item, list) else [item]
+            arrays = [
+                torch.from_numpy(np.asarray(Image.open(io.BytesIO(f)).convert("RGB"))).permute(2, 0, 1) for f in frames
+            ]
+            if isinstance(item, list):
+                pixels = pre.resize_video(torch.stack(arrays))
+                spec = pre.spec("video", len(frames), *pixels.shape[-2:])
+            else:
+                pixels = pre.resize_image(arrays[0].contiguous())
+                spec = pre.spec("image", 1, *pixels.shape[-2:])
+            items.append((pixels, spec))
+    return items
+
+
 def run_encoder(args, requests: list[list], record: Record) -> None:
     """The config's runner here, fully warmed, on the workload's items packed by the router's rule."""
     import torch
-    from PIL import Image
 
     from deployments.app import deployment_ladder
     from deployments.config import AppConfig
@@ -897,20 +919,7 @@ def run_encoder(args, requests: list[list], record: Record) -> None:
     runner.prepare(progress=lambda m: None)
     runner.warm_up(progress=lambda m: None)
     warm_s = time.perf_counter() - start
-    pre, items = encoder.preprocessor, []
-    for request in requests:
-        for item in request:
-            frames = item if isinstance(item, list) else [item]
-            arrays = [
-                torch.from_numpy(np.asarray(Image.open(io.BytesIO(f)).convert("RGB"))).permute(2, 0, 1) for f in frames
-            ]
-            if isinstance(item, list):
-                pixels = pre.resize_video(torch.stack(arrays))
-                spec = pre.spec("video", len(frames), *pixels.shape[-2:])
-            else:
-                pixels = pre.resize_image(arrays[0].contiguous())
-                spec = pre.spec("image", 1, *pixels.shape[-2:])
-            items.append((pixels, spec))
+    pre, items = encoder.preprocessor, decoded_items(encoder.preprocessor, requests)
     queue = [PackItem(i, spec.modality, spec.output_tokens, spec.grid_thw[0]) for i, (_, spec) in enumerate(items)]
     packs = pack_items(queue, ladder.budgets, ladder.max_items, ladder.max_segments)
 

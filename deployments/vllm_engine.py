@@ -106,10 +106,18 @@ def multi_modal_data(
     return data
 
 
+def unfinished_requests(engine) -> int:
+    """Requests the engine has not finished (vLLM 0.26's `AsyncLLM` keeps the count in its output processor only)."""
+    count = getattr(engine, "get_num_unfinished_requests", None)
+    return count() if count is not None else engine.output_processor.get_num_unfinished_requests()
+
+
 def client_errors() -> tuple[type[Exception], ...]:
     """What vLLM raises for a request it refuses (a 400 here, as in vLLM's own server)."""
-    from vllm.exceptions import VLLMClientError
-
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # vLLM 0.26 refuses requests with ValueError and its subclasses only
+        return (ValueError,)
     return (ValueError, VLLMClientError)
 
 
@@ -242,7 +250,7 @@ class VLLMReplica:
         return {
             "family": self.model_type,
             "engine": "vllm",
-            "unfinished_requests": self.engine.get_num_unfinished_requests(),
+            "unfinished_requests": unfinished_requests(self.engine),
             "aborted_requests": self.aborted,
             "handoff_images": self.handoff_totals["images"],
             "handoff_bytes_per_image": self.handoff_totals["bytes"] / images,

@@ -1,4 +1,4 @@
-"""A tiny full-VLM checkpoint on disk, loadable the way users load a hub repo.
+"""A full-VLM checkpoint with random weights on disk, loadable the way users load a hub repo.
 
 `save_tiny_vlm` writes random weights in a family's tiny preset shape, plus a processor
 that `AutoProcessor.from_pretrained` restores as the family's own class (Qwen2VLProcessor,
@@ -7,13 +7,22 @@ tokenizer trained here on a few paragraphs (ids 0..999, then the preset's specia
 `TINY_SPECIAL_TOKENS`, InternVL's `TINY_INTERNVL_SPECIAL_TOKENS`) and the family's chat
 template (Qwen2-VL's; InternVL's). Nothing is downloaded; tests and demos use it in place of a
 hub repo. `for_vllm` widens the language model to a head size vLLM's CPU attention takes.
+`save_random_vlm` does the same for any preset, real sizes included (Qwen3-VL-8B: ~8.8B
+parameters, 17.5 GB in bf16, generated on a GPU where given one, written in 5 GB shards), so
+that our encoder and vLLM can load one set of weights: its processor files are the preset's
+(the released checkpoint's sizes), its tokenizer has the released special-token ids.
 
     python -m models.tiny_checkpoint qwen3-vl /tmp/tiny-qwen3-vl --for-vllm
+    python -m models.tiny_checkpoint qwen3-vl /tmp/qwen3-vl-8b-random --preset qwen3-vl-8b --device cuda --seed 0
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,6 +40,8 @@ from transformers import (
 from .internvl_tower import randomize_embeddings
 from .loading import family_class, vlm_config
 from .presets import TINY_SPECIAL_TOKENS, TINY_TEXT_CONFIG, Preset, resolve_preset
+
+logger = logging.getLogger(__name__)
 
 BASE_VOCAB_SIZE = 1000
 """Ids below this are byte-level BPE tokens; the special tokens follow (`TINY_SPECIAL_TOKENS`)."""
@@ -224,8 +235,13 @@ def build_tokenizer(
 
 def build_tiny_processor(family: str):
     """The family's transformers processor: the tiny preset's image and video processors, the tiny tokenizer."""
+    return build_preset_processor(resolve_preset(family, "tiny"))
+
+
+def build_preset_processor(preset: Preset):
+    """The family's transformers processor for a preset: its image and video processors, its tokenizer."""
+    family = preset.family
     cls = family_class(family)
-    preset = resolve_preset(family, "tiny")
     tokenizer = build_preset_tokenizer(preset)
     image_processor = cls.image_processor_class(**preset.image_processor)
     video_processor = cls.video_processor_class(**preset.video_processor)
@@ -266,22 +282,95 @@ def save_tiny_vlm(family: str, directory: str | Path, seed: int = 0, for_vllm: b
     if vision_tower is not None:  # InternVL: nonzero class token and position embeddings
         randomize_embeddings(vision_tower, torch.Generator().manual_seed(seed))
     model.save_pretrained(directory)
-    processor = build_tiny_processor(family)
+    _save_processor(build_tiny_processor(family), directory)
+    return model
+
+
+def _save_processor(processor, directory: str | Path) -> None:
     processor.save_pretrained(directory)
     # Hub repos also keep each processor's own file, which the image and video processor classes load.
     processor.image_processor.save_pretrained(directory)
     processor.video_processor.save_pretrained(directory)
-    return model
+
+
+RECORD_FILE = "random_checkpoint.json"
+"""What `save_random_vlm` wrote: preset, seed, dtype, where generated, versions, seconds."""
+
+
+def save_random_vlm(
+    preset: str | Preset,
+    directory: str | Path,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    max_shard_size: str = "5GB",
+) -> dict:
+    """Write a full VLM of any preset (seeded random weights, transformers' own initialization on
+    `device`) with its processor and tokenizer to `directory`; return the record also saved there
+    as `RECORD_FILE`. Written into a sibling folder first and renamed at the end, so `directory`
+    exists only once complete; an existing `directory` is an error (delete it to write again).
+    The same seed, device kind and torch give the same weights."""
+    found = preset if isinstance(preset, Preset) else resolve_preset(None, preset)
+    target = Path(directory)
+    if target.exists():
+        raise FileExistsError(f"{target} exists; delete it to write a new checkpoint there")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device!r} asked for, but torch sees no CUDA device")
+    partial = target.with_name(target.name + f".partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = family_class(found.family).vlm_class._from_config(vlm_config(found), dtype=dtype).eval()
+    vision_tower = getattr(model.model, "vision_tower", None)
+    if vision_tower is not None:  # InternVL: nonzero class token and position embeddings
+        randomize_embeddings(vision_tower, torch.Generator().manual_seed(seed))
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+    generated_s = time.perf_counter() - start
+    parameters = sum(p.numel() for p in model.parameters())
+    logger.info("generated %s (%.2fB parameters) on %s in %.1f s", found.name, parameters / 1e9, device, generated_s)
+    model.save_pretrained(partial, max_shard_size=max_shard_size)
+    del model
+    if str(device).startswith("cuda"):
+        torch.cuda.empty_cache()  # a process that goes on (a test) leaves the GPU to the engines it starts
+    _save_processor(build_preset_processor(found), partial)
+    record = {
+        "preset": found.name,
+        "seed": seed,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name() if str(device).startswith("cuda") else "cpu",
+        "parameters": parameters,
+        "bytes": sum(f.stat().st_size for f in partial.glob("*.safetensors")),
+        "torch": torch.__version__,
+        "generated_s": round(generated_s, 1),
+        "total_s": round(time.perf_counter() - start, 1),
+    }
+    (partial / RECORD_FILE).write_text(json.dumps(record, indent=2))
+    partial.rename(target)
+    return record
 
 
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(description="Write a tiny full-VLM checkpoint (random weights) to a directory.")
+    parser = argparse.ArgumentParser(description="Write a full-VLM checkpoint (random weights) to a directory.")
     parser.add_argument("family", choices=sorted(PROCESSOR_CLASSES))
     parser.add_argument("directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--for-vllm", action="store_true", help="in the shape vLLM's CPU backend serves (head_dim 64)")
+    parser.add_argument("--preset", help="a preset of the family (e.g. qwen3-vl-8b: real sizes); default: the tiny one")
+    parser.add_argument("--device", default="cpu", help="with --preset: where the weights are generated (cuda: fast)")
+    parser.add_argument("--dtype", default="bfloat16", help="with --preset: the weights' dtype")
     args = parser.parse_args()
-    save_tiny_vlm(args.family, args.directory, seed=args.seed, for_vllm=args.for_vllm)
-    print(f"wrote a tiny {args.family} checkpoint to {args.directory}")
+    if args.preset is None:
+        save_tiny_vlm(args.family, args.directory, seed=args.seed, for_vllm=args.for_vllm)
+        print(f"wrote a tiny {args.family} checkpoint to {args.directory}")
+    else:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+        if args.for_vllm and not args.preset.endswith("tiny"):
+            parser.error("--for-vllm reshapes the tiny preset only")
+        chosen = vllm_tiny_preset(args.family) if args.for_vllm else resolve_preset(args.family, args.preset)
+        written = save_random_vlm(chosen, args.directory, args.seed, getattr(torch, args.dtype), args.device)
+        print(f"wrote {args.directory}: {json.dumps(written)}")

@@ -130,5 +130,6 @@ class ServeHarness:
 def _merge(base: dict, overrides: dict) -> dict:
     merged = dict(base)
     for key, value in overrides.items():
-        merged[key] = _merge(merged.get(key, {}), value) if isinstance(value, dict) else value
+        both = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = _merge(merged[key], value) if both else value  # a dict replaces a number
     return merged

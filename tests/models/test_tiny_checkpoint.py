@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, Qwen2Tokenizer
 
-from models.presets import TINY_SPECIAL_TOKENS, TINY_TEXT_CONFIG
+from models import from_checkpoint
+from models.presets import QWEN_SPECIAL_TOKENS, TINY_SPECIAL_TOKENS, TINY_TEXT_CONFIG, resolve_preset
 from models.tiny_checkpoint import (
     BASE_VOCAB_SIZE,
     PROCESSOR_CLASSES,
+    RECORD_FILE,
     VLLM_HEAD_DIM,
+    build_preset_processor,
     build_tiny_processor,
     build_tiny_tokenizer,
+    save_random_vlm,
     save_tiny_vlm,
 )
 from tests.helpers import random_image
@@ -184,3 +190,47 @@ def test_the_vllm_shaped_checkpoint_has_head_dim_64_and_generates_from_an_image(
     with torch.inference_mode():  # the tower's output width feeds the wider language model
         output = model.generate(**inputs, max_new_tokens=4, do_sample=False)
     assert output.shape[1] > inputs["input_ids"].shape[1]
+
+
+# ---- any preset, real sizes included (save_random_vlm) ----
+
+
+@pytest.mark.parametrize("preset", ["qwen3-vl-tiny", "internvl-tiny"])
+def test_a_random_preset_checkpoint_loads_in_our_encoder_and_transformers_alike(preset, tmp_path):
+    directory = tmp_path / preset
+    written = save_random_vlm(preset, directory, seed=3, dtype=torch.float32)
+    assert json.loads((directory / RECORD_FILE).read_text()) == written
+    assert written["preset"] == preset and written["seed"] == 3 and written["bytes"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == [preset]  # no partial folder left beside it
+    encoder = from_checkpoint(str(directory))
+    model = AutoModelForImageTextToText.from_pretrained(directory)
+    assert encoder.family == resolve_preset(None, preset).family
+    tower = dict(encoder.tower.named_parameters())
+    prefix = "model.visual." if preset.startswith("qwen") else "model."
+    weights = {n.removeprefix(prefix): t for n, t in model.state_dict().items() if n.startswith(prefix)}
+    assert tower and all(torch.equal(weights[name], tensor) for name, tensor in tower.items())
+    assert isinstance(AutoProcessor.from_pretrained(directory), PROCESSOR_CLASSES[encoder.family])
+
+
+def test_the_same_seed_writes_the_same_weights_and_another_seed_others(tmp_path):
+    def weights(seed: int, name: str) -> dict[str, torch.Tensor]:
+        save_random_vlm("qwen3-vl-tiny", tmp_path / name, seed=seed, dtype=torch.float32)
+        return AutoModelForImageTextToText.from_pretrained(tmp_path / name).state_dict()
+
+    first, again, other = weights(0, "a"), weights(0, "b"), weights(1, "c")
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert not torch.equal(first["lm_head.weight"], other["lm_head.weight"])
+
+
+def test_an_existing_directory_is_not_overwritten(tmp_path):
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(FileExistsError, match="delete it"):
+        save_random_vlm("qwen3-vl-tiny", tmp_path / "taken")
+
+
+def test_a_real_size_preset_gets_the_released_special_token_ids_and_processor_sizes():
+    preset = resolve_preset(None, "qwen3-vl-8b")
+    processor = build_preset_processor(preset)
+    assert {t: processor.tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS} == QWEN_SPECIAL_TOKENS
+    assert processor.image_processor.size["longest_edge"] == preset.image_processor["size"]["longest_edge"]
+    assert processor.image_processor.patch_size == 16

@@ -1,0 +1,49 @@
+"""The vLLM encoder benchmark's grouping of a stream: what vLLM's scheduler and batching hand its encoder."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.vllm_encoder_bench import latency_summary, modality_runs, scheduler_steps
+
+
+def test_a_step_encodes_the_items_that_begin_in_its_tokens():
+    # window 8192: items begin at 0, 5000 (step 1: their 10,000 tokens fit the encoder budget) and 10,000
+    assert scheduler_steps([5000, 5000, 5000], 8192, 16384) == [[0, 1], [2]]
+    assert scheduler_steps([100, 200, 300, 400, 50], 600, 600) == [[0, 1, 2], [3, 4]]
+
+
+def test_an_item_past_the_encoder_budget_begins_the_next_step():
+    # the third item begins inside the first window but would take the encoder past its budget
+    assert scheduler_steps([3000, 3000, 3000, 100], 8192, 8192) == [[0, 1], [2, 3]]
+
+
+def test_an_item_spanning_several_windows_leaves_the_steps_between_without_encoder_work():
+    assert scheduler_steps([100, 20000, 100], 8192, 20480) == [[0, 1], [2]]
+
+
+def test_every_item_is_in_exactly_one_step_and_a_step_holds_at_most_the_encoder_budget():
+    tokens = [64, 784, 2040, 64, 196, 8192, 1, 4096, 4096, 16384, 300]
+    steps = scheduler_steps(tokens, 8192, 16384)
+    assert [i for step in steps for i in step] == list(range(len(tokens)))
+    assert all(sum(tokens[i] for i in step) <= 16384 for step in steps)
+
+
+def test_runs_split_a_step_where_the_modality_changes():
+    modalities = ["image", "image", "video", "image", "video", "video"]
+    assert modality_runs([0, 1, 2, 3, 4, 5], modalities) == [
+        ("image", [0, 1]),
+        ("video", [2]),
+        ("image", [3]),
+        ("video", [4, 5]),
+    ]
+    assert modality_runs([], modalities) == []
+
+
+@pytest.mark.parametrize("count", [1, 2, 10, 11])
+def test_latency_summary_quantiles(count):
+    samples = [(float(ms), 100) for ms in range(1, count + 1)]
+    summary = latency_summary(samples)
+    assert summary["calls"] == count and summary["max_ms"] == count and summary["tokens_per_call"] == 100
+    assert summary["p50_ms"] <= summary["p90_ms"] <= summary["max_ms"]
+    assert summary["p50_ms"] == sorted(ms for ms, _ in samples)[count // 2]
