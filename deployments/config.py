@@ -8,9 +8,10 @@ override them in the YAML's `deployments:` section, as for any Ray Serve applica
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -301,7 +302,7 @@ class AppConfig(_Strict):
 
 def reference_markdown() -> str:
     """Every key of `AppConfig` with its default and description, as a Markdown table (the
-    README's configuration reference; a test keeps the two equal)."""
+    reference in docs/configuration.md; a test keeps the two equal)."""
     schema = AppConfig.model_json_schema()
     rows = ["| key | default | description |", "|---|---|---|"]
     for section, field in AppConfig.model_fields.items():
@@ -325,5 +326,27 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-if __name__ == "__main__":
-    print(reference_markdown())
+REFERENCE_START = "<!-- config-reference:start -->\n"
+REFERENCE_END = "\n<!-- config-reference:end -->"
+"""The markers around the generated table in a Markdown file (docs/configuration.md)."""
+
+
+def with_reference(text: str) -> str:
+    """`text` with what lies between its reference markers replaced by `reference_markdown()`."""
+    start, end = text.find(REFERENCE_START), text.find(REFERENCE_END)
+    if start < 0 or end < start:
+        raise ValueError(f"no {REFERENCE_START.strip()} ... {REFERENCE_END.strip()} markers, in that order")
+    return text[: start + len(REFERENCE_START)] + reference_markdown() + text[end:]
+
+
+if __name__ == "__main__":  # python -m deployments.config [--write docs/configuration.md]
+    parser = argparse.ArgumentParser(description="Print the configuration reference (a Markdown table).")
+    parser.add_argument("--write", type=Path, metavar="FILE", help="rewrite the table between FILE's markers instead")
+    args = parser.parse_args()
+    if args.write is None:
+        print(reference_markdown())
+    else:
+        try:
+            args.write.write_text(with_reference(args.write.read_text()))
+        except (OSError, ValueError) as error:
+            parser.exit(1, f"{args.write}: {error}\n")

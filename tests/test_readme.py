@@ -1,6 +1,6 @@
-"""The README tells the truth: its test command is CI's, its configuration reference is the models',
-and each Python block runs, from a process of its own, against the YAML it names and prints what
-the README says it prints."""
+"""The README tells the truth: its test command is CI's, docs/configuration.md's reference is the
+models', and each Python block runs, from a process of its own, against the YAML it names and prints
+what the README says it prints."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import sys
 import pytest
 import ray
 
-from deployments.config import reference_markdown
+from deployments.config import REFERENCE_END, REFERENCE_START, reference_markdown
 from tests.serve_harness import ROOT
 
 README = (ROOT / "README.md").read_text()
+CONFIGURATION = "docs/configuration.md"
 BLOCK = re.compile(r"(?:<!-- readme-test: (\w+) -->\n)?```(\w+)\n(.*?)```", re.S)
 OUTPUT = re.compile(r"\s*```text\n(.*?)```", re.S)
 SERVED_AT = "http://127.0.0.1:8000"
@@ -44,9 +45,13 @@ def test_the_readme_test_command_is_what_ci_runs():
 
 
 def test_the_configuration_reference_is_the_models():
-    start, end = "<!-- config-reference:start -->\n", "\n<!-- config-reference:end -->"
-    documented = README[README.index(start) + len(start) : README.index(end)]
-    assert documented == reference_markdown(), "regenerate it: python -m deployments.config"
+    text = (ROOT / CONFIGURATION).read_text()
+    documented = text[text.index(REFERENCE_START) + len(REFERENCE_START) : text.index(REFERENCE_END)]
+    assert documented == reference_markdown(), f"regenerate it: python -m deployments.config --write {CONFIGURATION}"
+
+
+def test_the_readme_links_the_configuration_reference():
+    assert f"]({CONFIGURATION})" in README and REFERENCE_START not in README
 
 
 def test_every_python_block_names_what_it_runs_against():

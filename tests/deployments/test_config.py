@@ -238,3 +238,23 @@ def test_the_router_module_imports_no_torch():
 def test_a_checkpoint_is_served_by_its_hub_id_or_its_directorys_name(path, served):
     config = AppConfig.model_validate({"model": {"path": path}, "llm": {"path": path}})
     assert config.model.model_id == config.llm.model_id == served
+
+
+def test_the_reference_is_rewritten_in_place_between_its_markers(tmp_path):
+    import subprocess
+    import sys
+
+    from deployments.config import REFERENCE_END, REFERENCE_START, reference_markdown
+
+    root = Path(__file__).resolve().parents[2]
+    stale = tmp_path / "configuration.md"
+    stale.write_text(f"# Prose kept\n\n{REFERENCE_START}| an old table |{REFERENCE_END}\n\nMore prose.\n")
+    unmarked = tmp_path / "unmarked.md"
+    unmarked.write_text("# No markers\n")
+    write = [sys.executable, "-m", "deployments.config", "--write"]
+    subprocess.run([*write, str(stale)], cwd=root, check=True)
+    refused = subprocess.run([*write, str(unmarked)], cwd=root, capture_output=True, text=True)
+    regenerated = f"{REFERENCE_START}{reference_markdown()}{REFERENCE_END}"
+    assert stale.read_text() == f"# Prose kept\n\n{regenerated}\n\nMore prose.\n"
+    assert refused.returncode == 1 and "config-reference:start" in refused.stderr
+    assert unmarked.read_text() == "# No markers\n"
