@@ -48,8 +48,8 @@ from ray import serve
 from transformers import AutoProcessor
 
 from benchmarks.e2e_bench import photo
-from deployments.llm import GenerateRequest
 from deployments.vllm_engine import multi_modal_data
+from deployments.wire import GenerateRequest, item_to_wire
 from models.protocol import ItemOutput
 from models.tiny_checkpoint import save_random_vlm, save_tiny_vlm
 from tests.deployments.test_epd import openai_messages
@@ -200,7 +200,7 @@ def served(setting, checkpoint, serve_harness) -> dict:
         video, grid = found["embeddings"][-1]
         request = GenerateRequest(
             messages=video_messages(),
-            embeddings=[ray.put(video)],
+            embeddings=[ray.put(item_to_wire(video))],
             grids=[grid],
             max_tokens=MAX_TOKENS,
             frame_seconds=[frame_seconds()],
