@@ -25,10 +25,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Deployment
 from ray.serve.schema import LoggingConfig
 
-from encoder_graphs.config import Ladder, budget_ladder
-from models.presets import resolve_preset
-
-from .config import AppConfig
+from .config import AppConfig, deployment_ladder
 from .validation import validate
 
 ROUTING_STATS_PERIOD_S = 1.0
@@ -63,23 +60,6 @@ def llm_deployment(config: AppConfig, logging_config: LoggingConfig) -> Deployme
         ray_actor_options={"num_cpus": 1, "num_gpus": 1 if config.llm.device == "cuda" else 0},
         logging_config=logging_config,
     )
-
-
-def smallest_item_tokens(config: AppConfig) -> int:
-    """Output tokens of the model's smallest item: a preset's from its numbers; a checkpoint's
-    from its processor (which imports transformers)."""
-    model = config.model
-    if model.path is None:
-        return resolve_preset(model.family, model.preset or "tiny").min_item_tokens
-    from models import load_preprocessor
-
-    return load_preprocessor(None, model.family, model.path)[1].min_item_tokens
-
-
-def deployment_ladder(config: AppConfig) -> Ladder:
-    """The budget ladder of the deployment, computed once here and handed to the router and
-    every encoder replica."""
-    return budget_ladder(config.graphs, smallest_item_tokens(config))
 
 
 def build_app(args: dict) -> Application:

@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from encoder_graphs.config import GraphConfig
-from models.presets import PRESETS
+from encoder_graphs.config import GraphConfig, Ladder, budget_ladder
+from models.presets import PRESETS, resolve_preset
 
 MiB = 1 << 20
 
@@ -298,6 +298,23 @@ class AppConfig(_Strict):
                     "the LLM must take the encoder's embeddings: use the same family"
                 )
         return self
+
+
+def smallest_item_tokens(config: AppConfig) -> int:
+    """Output tokens of the model's smallest item: a preset's from its numbers; a checkpoint's
+    from its processor (which imports transformers)."""
+    model = config.model
+    if model.path is None:
+        return resolve_preset(model.family, model.preset or "tiny").min_item_tokens
+    from models import load_preprocessor
+
+    return load_preprocessor(None, model.family, model.path)[1].min_item_tokens
+
+
+def deployment_ladder(config: AppConfig) -> Ladder:
+    """The budget ladder of the deployment, computed once here and handed to the router and
+    every encoder replica."""
+    return budget_ladder(config.graphs, smallest_item_tokens(config))
 
 
 def reference_markdown() -> str:

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from ray.serve.exceptions import RayServeException
 
-from .config import AppConfig
+from .config import AppConfig, deployment_ladder
 
 
 class ConfigError(RayServeException):
@@ -127,8 +127,6 @@ def check_file(path: str) -> list[str]:
     build's own checks (`validate`, the budget ladder), but for the GPUs, which it asks the
     running cluster for."""
     from encoder_graphs.budgets import BudgetConfigError
-
-    from .app import deployment_ladder  # the builder imports this module
 
     try:
         apps = serve_config_apps(path)
