@@ -142,6 +142,7 @@ async def _generate_request(service, body: ChatRequest, scope: str | None):
         temperature=body.temperature,
         top_p=body.top_p,
         seed=body.seed,
+        ignore_eos=body.ignore_eos,
     )
 
 

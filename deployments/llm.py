@@ -190,6 +190,7 @@ class LLMReplica:
                 out = self.model.generate(
                     **inputs,
                     max_new_tokens=request.max_tokens,
+                    min_new_tokens=request.max_tokens if request.ignore_eos else None,
                     streamer=streamer,
                     pad_token_id=self.tokenizer.pad_token_id,
                     stopping_criteria=StoppingCriteriaList([StopWhenSet(cancelled or threading.Event())]),

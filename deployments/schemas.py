@@ -161,6 +161,9 @@ class ChatRequest(_Body):
     temperature: float = Field(1.0, ge=0, le=2, description="0: greedy.")
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    ignore_eos: bool = Field(
+        False, description="Generate max_tokens tokens past any end of sequence (vLLM's extension, for benchmarks)."
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="Only 1.")

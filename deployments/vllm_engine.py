@@ -130,6 +130,7 @@ def sampling_params(request: GenerateRequest, model_defaults: dict[str, Any]):
         temperature=request.temperature,
         top_p=request.top_p,
         seed=request.seed,
+        ignore_eos=request.ignore_eos,
         **defaults,
     )
 

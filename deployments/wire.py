@@ -200,6 +200,7 @@ class GenerateRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    ignore_eos: bool = False
     frame_seconds: list[list[float]] = field(default_factory=list)
     """Per video, in message order: each sampled frame's time in seconds (empty: 2 frames a second)."""
 

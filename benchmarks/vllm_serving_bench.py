@@ -1,0 +1,557 @@
+"""The deployment a user would choose, on two GPUs: E/PD (our encoder replica feeding one vLLM replica by
+reference) against vLLM alone with data parallelism 2, open loop at rising request rates.
+
+    python benchmarks/vllm_serving_bench.py --checkpoint /tmp/qwen3-vl-8b-random --systems ours --out DIR
+    python benchmarks/vllm_serving_bench.py --checkpoint /tmp/qwen3-vl-8b-random --systems vllm-dp2 --out DIR
+    python benchmarks/vllm_serving_bench.py --report --out DIR      # the table and plots of what DIR holds
+
+Both systems serve the same checkpoint (`python -m models.tiny_checkpoint qwen3-vl DIR --preset qwen3-vl-8b
+--device cuda`) through their OpenAI chat API and get the same requests: `ours` is `serve run` of
+configs/epd-vllm.yaml pointed at it (one encoder replica on one GPU, one `VLLMReplica` on the other);
+`vllm-dp2` is `vllm serve --data-parallel-size 2` with its ViT CUDA graphs on (`cudagraph_mm_encoder`, the V1
+model runner that uses them). Workloads (every image unique, so neither side's caches hit):
+- image-heavy: 1-4 JPEG photos from 448x448 to 1920x1080 and a short question;
+- image-light: one 224x224 photo and 1,000-2,000 tokens of text.
+Each answer is 64 tokens (`ignore_eos`), greedy. Arrivals are Poisson at each rate of `--rates` in turn for
+`--seconds` (client processes share the rate); a rate's requests all finish before the next begins, and
+the ramp stops once a rate overloads the system (p99 TTFT over `--stop-ttft`, errors, or fewer answers
+than asked). TTFT is the time from sending a request to the first chunk carrying a generated token
+(ours: every chunk carries `token_ids`; vLLM's with `return_token_ids`). Reported per rate: TTFT p50/p99,
+end-to-end p50, answered requests/s and output tokens/s (over the first send to the last answer), and
+each GPU's mean utilisation (nvidia-smi, every 0.5 s); per workload: the highest rate whose p99 TTFT is
+within `--slo-ttft`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WORKLOADS = {
+    "image-heavy": {
+        "images": (1, 4),
+        "sizes": [(448, 448), (640, 480), (1024, 768), (1280, 720), (1920, 1080)],
+        "text_tokens": (8, 32),
+        "rates": [1, 2, 4, 8, 12, 16, 24, 32],
+    },
+    "image-light": {
+        "images": (1, 1),
+        "sizes": [(224, 224)],
+        "text_tokens": (1000, 2000),
+        "rates": [2, 4, 8, 16, 24, 32, 48],
+    },
+}
+SYSTEMS = ("ours", "vllm-dp2")
+OUTPUT_TOKENS = 64
+WORDS = (
+    "the of and to in is that for it as with was on be by at this from or an are not have which one all were "
+    "image river window light market street mountain garden table evening morning city train color shadow "
+    "building people water paper music forest summer winter cloud field bridge harbor station corner story"
+).split()
+
+
+# ---- requests (pure) ----
+
+
+def photo(width: int, height: int, seed: int) -> np.ndarray:
+    """A photo-like RGB image: smooth gradients and fine noise (JPEG sizes like a camera's)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = np.stack([np.sin(x / rng.uniform(20, 200) + c) * np.cos(y / rng.uniform(20, 200) - c) for c in range(3)], -1)
+    noise = rng.normal(0, 0.08, (height, width, 3))
+    return np.clip((base * 0.5 + 0.5 + noise) * 255, 0, 255).astype(np.uint8)
+
+
+def stamped(image: np.ndarray, index: int) -> np.ndarray:
+    """`image` with a 16x16 block of its own, so each request's images hash apart (no cache hits)."""
+    out = image.copy()
+    rng = np.random.default_rng(index)
+    row, col = rng.integers(0, image.shape[0] - 16), rng.integers(0, image.shape[1] - 16)
+    out[row : row + 16, col : col + 16] = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
+    return out
+
+
+def data_url(image: np.ndarray) -> str:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="JPEG", quality=90)
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def text_of(tokens: int, rng: random.Random, count_tokens) -> str:
+    """Random words with about `tokens` tokens (`count_tokens`: the checkpoint's tokenizer)."""
+    words = [rng.choice(WORDS) for _ in range(tokens)]
+    while len(words) > 1 and count_tokens(" ".join(words)) > tokens:
+        words = words[: max(1, int(len(words) * 0.95))]
+    return " ".join(words)
+
+
+def request_body(workload: dict, index: int, seed: int, bases: dict, count_tokens) -> dict:
+    """One chat request of `workload`: its images (unique), its text, 64 greedy tokens, streamed."""
+    rng = random.Random(seed * 1_000_003 + index)
+    parts = [
+        {
+            "type": "image_url",
+            "image_url": {"url": data_url(stamped(bases[rng.choice(workload["sizes"])], rng.getrandbits(31)))},
+        }
+        for _ in range(rng.randint(*workload["images"]))
+    ]
+    text = f"Request {seed}-{index}. " + text_of(rng.randint(*workload["text_tokens"]), rng, count_tokens)
+    return {
+        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
+        "max_tokens": OUTPUT_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
+def arrivals(rate: float, seconds: float, rng: random.Random) -> list[float]:
+    """Poisson arrival offsets (s) at `rate` per second within `seconds`."""
+    times, now = [], rng.expovariate(rate)
+    while now < seconds:
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
+# ---- what a rate measured (pure) ----
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(records: list[dict], rate: float, seconds: float) -> dict:
+    """A rate's numbers from its requests' records (`sent`, `ttft`, `end` in s from the rate's start;
+    `tokens`; `error`)."""
+    ok = [r for r in records if r["error"] is None]
+    span = (max(r["end"] for r in ok) - min(r["sent"] for r in records)) if ok else seconds
+    ttft = [r["ttft"] for r in ok]
+    return {
+        "rate": rate,
+        "sent": len(records),
+        "answered": len(ok),
+        "errors": len(records) - len(ok),
+        "error_kinds": sorted({r["error"] for r in records if r["error"]})[:3],
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "e2e_p50_s": percentile([r["end"] - r["sent"] for r in ok], 50),
+        "requests_per_s": len(ok) / span,
+        "output_tokens_per_s": sum(r["tokens"] for r in ok) / span,
+        "output_tokens_mean": (sum(r["tokens"] for r in ok) / len(ok)) if ok else 0,
+    }
+
+
+def overloaded(level: dict, stop_ttft: float) -> bool:
+    """A rate past what the system serves: p99 TTFT over `stop_ttft`, an error, or under 85% answered per second."""
+    return (
+        level["errors"] > 0
+        or level["ttft_p99_s"] is None
+        or level["ttft_p99_s"] > stop_ttft
+        or level["requests_per_s"] < 0.85 * level["rate"]
+    )
+
+
+def rate_at_slo(levels: list[dict], slo_ttft: float) -> float:
+    """Answered requests/s of the highest rate whose p99 TTFT is within `slo_ttft`, errors none (0: no rate)."""
+    passing = [
+        lv for lv in levels if lv["errors"] == 0 and lv["ttft_p99_s"] is not None and lv["ttft_p99_s"] <= slo_ttft
+    ]
+    return max((lv["requests_per_s"] for lv in passing), default=0.0)
+
+
+# ---- the load: client processes, one asyncio loop each ----
+
+
+def client_process(jobs, results, barrier, url: str, model: str, extra: dict, checkpoint: str) -> None:
+    """Runs each job (a share of one rate) it is given: builds its requests, waits for the others, sends
+    them open loop, and reports one record per request."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    count_tokens = lambda text: len(tokenizer(text)["input_ids"])  # noqa: E731
+    bases: dict = {}
+    while (job := jobs.get()) is not None:
+        workload = WORKLOADS[job["workload"]]
+        for size in workload["sizes"]:
+            bases.setdefault(size, photo(*size, seed=size[0] * 7 + size[1]))
+        rng = random.Random(job["seed"])
+        offsets = arrivals(job["rate"], job["seconds"], rng)
+        bodies = [
+            {**request_body(workload, i, job["seed"], bases, count_tokens), "model": model, **extra}
+            for i in range(len(offsets))
+        ]
+        barrier.wait()
+        results.put(asyncio.run(open_loop(url, offsets, bodies, job["timeout"])))
+
+
+async def open_loop(url: str, offsets: list[float], bodies: list[dict], timeout: float) -> list[dict]:
+    import aiohttp
+
+    start = time.monotonic()
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+
+        async def one(offset: float, body: dict) -> dict:
+            await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
+            record = {"sent": time.monotonic() - start, "ttft": None, "end": None, "tokens": 0, "error": None}
+            try:
+                await stream_chat(session, url, body, record, start)
+            except Exception as error:  # noqa: BLE001 - every failure is a record
+                record["error"] = f"{type(error).__name__}: {error}"[:200]
+            record["end"] = time.monotonic() - start
+            if record["error"] is None and record["ttft"] is None:
+                record["error"] = "no token"
+            return record
+
+        return await asyncio.gather(*(one(o, b) for o, b in zip(offsets, bodies)))
+
+
+async def stream_chat(session, url: str, body: dict, record: dict, start: float) -> None:
+    async with session.post(f"{url}/v1/chat/completions", json=body) as reply:
+        if reply.status != 200:
+            raise RuntimeError(f"HTTP {reply.status}: {(await reply.text())[:150]}")
+        async for line in reply.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(str(chunk["error"])[:150])
+            ids = chunk.get("token_ids") or next((c.get("token_ids") for c in chunk.get("choices") or []), None)
+            if ids:
+                record["tokens"] += len(ids)
+                if record["ttft"] is None:
+                    record["ttft"] = time.monotonic() - start - record["sent"]
+
+
+class GpuSampler:
+    """Each GPU's utilisation and memory, from nvidia-smi every 0.5 s, while running."""
+
+    def __init__(self):
+        self.samples: list[list[float]] = []
+        if shutil.which("nvidia-smi") is None:  # no GPU here: no samples
+            self.process = subprocess.Popen(["sleep", "0"], stdout=subprocess.PIPE, text=True)
+            return
+        self.process = subprocess.Popen(
+            [
+                "nvidia-smi",
+                "--query-gpu=index,utilization.gpu,memory.used",
+                "--format=csv,noheader,nounits",
+                "-lms",
+                "500",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            try:
+                self.samples.append([float(v) for v in line.split(",")])
+            except ValueError:
+                pass
+
+    def stop(self) -> dict:
+        self.process.terminate()
+        gpus = sorted({int(s[0]) for s in self.samples})
+        return {
+            f"gpu{g}": {
+                "util_pct": round(float(np.mean([s[1] for s in self.samples if s[0] == g])), 1),
+                "mem_gib": round(max(s[2] for s in self.samples if s[0] == g) / 1024, 1),
+            }
+            for g in gpus
+        }
+
+
+def run_workload(name: str, args, url: str, model: str, extra: dict, log) -> list[dict]:
+    """Every rate of the workload in turn, until one overloads the system or time runs out."""
+    ctx = mp.get_context("spawn")
+    jobs, results = [ctx.Queue() for _ in range(args.clients)], ctx.Queue()
+    barrier = ctx.Barrier(args.clients + 1)
+    workers = [
+        ctx.Process(target=client_process, args=(jobs[i], results, barrier, url, model, extra, args.checkpoint))
+        for i in range(args.clients)
+    ]
+    for worker in workers:
+        worker.start()
+    levels = []
+    try:
+        for rate in args.rates or WORKLOADS[name]["rates"]:
+            if time.monotonic() > args.deadline - args.seconds - 30:
+                log(f"{name}: stopping before {rate}/s: time limit")
+                break
+            for i in range(args.clients):
+                seed = zlib.crc32(f"{name} {rate} {i}".encode())  # the same requests for every system
+                jobs[i].put(
+                    {
+                        "workload": name,
+                        "rate": rate / args.clients,
+                        "seconds": args.seconds,
+                        "seed": seed,
+                        "timeout": args.request_timeout,
+                    }
+                )
+            barrier.wait(timeout=300)
+            sampler = GpuSampler()
+            records = [
+                r for _ in range(args.clients) for r in results.get(timeout=args.seconds + args.request_timeout + 60)
+            ]
+            level = summarize(records, rate, args.seconds) | {"gpus": sampler.stop()}
+            levels.append(level)
+            log(f"{name} {rate:>5}/s: {format_level(level)}")
+            if overloaded(level, args.stop_ttft):
+                break
+    finally:
+        for queue in jobs:
+            queue.put(None)
+        for worker in workers:
+            worker.join(30)
+            if worker.is_alive():
+                worker.kill()
+    return levels
+
+
+def format_level(level: dict) -> str:
+    p = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    gpus = " ".join(f"{g}:{v['util_pct']:.0f}%" for g, v in level.get("gpus", {}).items())
+    return (
+        f"{level['answered']}/{level['sent']} answered, {level['requests_per_s']:.2f} req/s, "
+        f"{level['output_tokens_per_s']:.0f} out tok/s, "
+        f"TTFT p50 {p(level['ttft_p50_s'])} p99 {p(level['ttft_p99_s'])} s, "
+        f"e2e p50 {p(level['e2e_p50_s'])} s, {gpus} {level['error_kinds'] or ''}"
+    )
+
+
+# ---- the systems ----
+
+
+def ours_config(base: Path, checkpoint: str, out: Path, port: int) -> Path:
+    """`base` (an E/PD config) serving the checkpoint on both sides, answers of 64 tokens at most."""
+    config = yaml.safe_load(base.read_text())
+    config["http_options"]["port"] = port
+    args = config["applications"][0]["args"]
+    args["model"]["path"] = args["llm"]["path"] = checkpoint
+    if args["llm"].get("engine") == "vllm":
+        args["llm"]["engine_kwargs"]["max_model_len"] = 16384
+    args["llm"]["max_tokens"] = OUTPUT_TOKENS
+    path = out / "ours-config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def start_system(system: str, args, out: Path, log):
+    """The system's server process (own process group), its URL, its chat model name, extra request fields."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    if system == "ours":
+        port = 8000
+        command = [
+            sys.executable,
+            "-m",
+            "ray.serve.scripts",
+            "run",
+            str(ours_config(args.config, args.checkpoint, out, port)),
+        ]
+        extra = {}
+    else:
+        port = 8100
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # vLLM 0.26's V2 runner never replays encoder graphs
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.checkpoint, "--port", str(port),
+            "--served-model-name", "model", "--data-parallel-size", "2", "--max-model-len", "16384",
+            "--gpu-memory-utilization", "0.85", "--limit-mm-per-prompt", json.dumps({"image": 4}),
+            "--compilation-config", json.dumps({"cudagraph_mm_encoder": True}),
+        ]  # fmt: skip
+        extra = {"return_token_ids": True}
+    logfile = open(out / f"server-{system}.log", "w")
+    process = subprocess.Popen(
+        command, stdout=logfile, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        model = wait_ready(system, url, process, args.startup_timeout, log)
+    except BaseException:
+        stop_system(process)
+        raise
+    return process, url, model, extra
+
+
+def wait_ready(system: str, url: str, process, timeout: float, log) -> str:
+    """The chat model's name once the server answers a chat (ours: also every encoder graph live)."""
+    import httpx
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if process.poll() is not None:
+            raise RuntimeError(f"{system}: the server exited with {process.returncode}")
+        try:
+            ids = [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=5).json()["data"]]
+            model = ids[-1]
+            image = {"type": "image_url", "image_url": {"url": data_url(photo(64, 64, seed=0))}}
+            content = [image, {"type": "text", "text": "Hi"}]  # an image: the router meets the encoders
+            body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+            if httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200:
+                if system != "ours" or encoder_warm(url, ids[0]):
+                    log(f"{system}: ready after {time.monotonic() - start:.0f} s")
+                    return model
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"{system}: not ready within {timeout} s")
+
+
+def encoder_warm(url: str, encoder_id: str) -> bool:
+    import httpx
+
+    warmup = httpx.get(f"{url}/v1/models/{encoder_id}", timeout=10).json().get("encoder", {}).get("replica_warmup", {})
+    return bool(warmup) and all(w.get("full_speed") for w in warmup.values())
+
+
+def stop_system(process) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def measure(system: str, args, out: Path) -> None:
+    from benchmarks.environment import environment
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        with open(out / f"{system}.log", "a") as file:
+            file.write(line + "\n")
+
+    started = time.monotonic()
+    process, url, model, extra = start_system(system, args, out, log)
+    record = {"system": system, "environment": environment(), "startup_s": round(time.monotonic() - started, 1)}
+    record["workloads"] = {}
+    try:
+        for name in args.workloads:
+            # a few requests of the workload first: its first images and prompt lengths reach both sides
+            run_warmup = argparse.Namespace(**{**vars(args), "rates": [1], "seconds": 5})
+            run_workload(name, run_warmup, url, model, extra, lambda line: log("warm-up " + line))
+            record["workloads"][name] = run_workload(name, args, url, model, extra, log)
+            (out / f"{system}.json").write_text(json.dumps(record, indent=1))
+    finally:
+        stop_system(process)
+    report(out)
+
+
+# ---- the report ----
+
+
+def report(out: Path) -> None:
+    records = {
+        r["system"]: r for r in (json.loads(p.read_text()) for p in sorted(out.glob("*.json")) if p.stem in SYSTEMS)
+    }
+    lines = ["# E/PD against vLLM alone (two GPUs, open loop)", ""]
+    for system, record in records.items():
+        env = record["environment"]
+        lines.append(
+            f"- {system}: {env['device']}, torch {env['torch']}, ray {env['ray']}, started in {record['startup_s']} s"
+        )
+    for name in WORKLOADS:
+        lines += [
+            "",
+            f"## {name}",
+            "",
+            "| system | rate/s | answered req/s | out tok/s | TTFT p50 s | TTFT p99 s | e2e p50 s | GPU util |",
+        ]
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for system, record in records.items():
+            for lv in record["workloads"].get(name, []):
+                gpus = " ".join(f"{v['util_pct']:.0f}%" for v in lv["gpus"].values())
+                lines.append(
+                    f"| {system} | {lv['rate']} | {lv['requests_per_s']:.2f} | {lv['output_tokens_per_s']:.0f} | "
+                    f"{lv['ttft_p50_s'] or 0:.2f} | {lv['ttft_p99_s'] or 0:.2f} | {lv['e2e_p50_s'] or 0:.2f} | {gpus} |"
+                )
+        at_slo = {s: rate_at_slo(r["workloads"].get(name, []), 2.0) for s, r in records.items()}
+        lines += ["", "Answered requests/s at p99 TTFT <= 2 s: " + ", ".join(f"{s} {v:.2f}" for s, v in at_slo.items())]
+        plot(records, name, out / f"{name}.png")
+    (out / "vllm_serving.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def plot(records: dict, name: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for system, record in records.items():
+        levels = record["workloads"].get(name, [])
+        rates = [lv["rate"] for lv in levels]
+        axes[0].plot(rates, [lv["ttft_p99_s"] for lv in levels], "o-", label=f"{system} p99")
+        axes[0].plot(rates, [lv["ttft_p50_s"] for lv in levels], "x--", label=f"{system} p50")
+        axes[1].plot(rates, [lv["output_tokens_per_s"] for lv in levels], "o-", label=system)
+        for gpu in sorted({g for lv in levels for g in lv["gpus"]}):
+            axes[2].plot(
+                rates, [lv["gpus"].get(gpu, {}).get("util_pct") for lv in levels], "o-", label=f"{system} {gpu}"
+            )
+    axes[0].axhline(2.0, color="grey", linewidth=0.8)
+    for axis, title in zip(axes, ("TTFT (s)", "output tokens/s", "GPU utilisation (%)")):
+        axis.set_xlabel("offered requests/s")
+        axis.set_title(f"{name}: {title}")
+        axis.legend(fontsize=7)
+    axes[0].set_yscale("log")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", help="the checkpoint both systems serve")
+    parser.add_argument("--systems", default="ours,vllm-dp2")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "epd-vllm.yaml", help="ours: the E/PD config")
+    parser.add_argument("--workloads", default="image-heavy,image-light")
+    parser.add_argument("--rates", type=float, nargs="*", help="requests/s in turn (default: the workload's)")
+    parser.add_argument("--seconds", type=float, default=15, help="each rate's arrivals")
+    parser.add_argument("--clients", type=int, default=4, help="client processes sharing each rate")
+    parser.add_argument("--stop-ttft", type=float, default=10.0)
+    parser.add_argument("--request-timeout", type=float, default=60.0)
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--time-limit", type=float, default=3600.0, help="no rate starts that would end after it")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--report", action="store_true", help="only the table and plots of what --out holds")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's TERM still stops the server it started
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        report(args.out)
+        return
+    args.deadline = time.monotonic() + args.time_limit
+    args.workloads = args.workloads.split(",")
+    for system in args.systems.split(","):
+        assert system in SYSTEMS, f"{system}: one of {SYSTEMS}"
+        measure(system, args, args.out)
+
+
+if __name__ == "__main__":
+    main()

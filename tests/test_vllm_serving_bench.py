@@ -1,0 +1,83 @@
+"""The deployment comparison's pure parts: requests, arrivals, a rate's numbers, the stop rule, the SLO rate."""
+
+import base64
+import io
+import random
+
+import numpy as np
+from PIL import Image
+
+from benchmarks.vllm_serving_bench import (
+    WORKLOADS,
+    arrivals,
+    overloaded,
+    photo,
+    rate_at_slo,
+    request_body,
+    stamped,
+    summarize,
+)
+
+
+def record(sent, ttft, end, tokens=64, error=None):
+    return {"sent": sent, "ttft": ttft, "end": end, "tokens": tokens, "error": error}
+
+
+def test_arrivals_are_poisson_at_the_rate():
+    times = arrivals(20.0, 100.0, random.Random(1))
+    assert all(0 < a < b < 100 for a, b in zip(times, times[1:]))
+    assert 1800 < len(times) < 2200
+    gaps = np.diff(times)
+    assert abs(gaps.std() / gaps.mean() - 1) < 0.1  # exponential gaps: coefficient of variation 1
+
+
+def test_requests_are_the_same_for_every_system_and_their_images_unique():
+    bases = {size: photo(*size, seed=1) for size in WORKLOADS["image-heavy"]["sizes"]}
+    count = lambda text: len(text.split())  # noqa: E731
+    one = [request_body(WORKLOADS["image-heavy"], i, 7, bases, count) for i in range(12)]
+    again = [request_body(WORKLOADS["image-heavy"], i, 7, bases, count) for i in range(12)]
+    assert one == again
+    urls = [p["image_url"]["url"] for body in one for p in body["messages"][0]["content"] if p["type"] == "image_url"]
+    assert len(set(urls)) == len(urls) > 12
+    counts = [sum(p["type"] == "image_url" for p in body["messages"][0]["content"]) for body in one]
+    assert min(counts) >= 1 and max(counts) <= 4
+    sizes = {Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).size for url in urls}
+    assert sizes <= set(WORKLOADS["image-heavy"]["sizes"])
+    assert all(body["ignore_eos"] and body["max_tokens"] == 64 and body["stream"] for body in one)
+
+
+def test_image_light_text_has_the_asked_tokens():
+    bases = {(224, 224): photo(224, 224, seed=1)}
+    count = lambda text: len(text.split())  # noqa: E731
+    body = request_body(WORKLOADS["image-light"], 3, 1, bases, count)
+    text = body["messages"][0]["content"][-1]["text"]
+    assert 1000 <= count(text) <= 2000 + 4
+
+
+def test_stamped_changes_only_a_block():
+    image = photo(64, 48, seed=2)
+    out = stamped(image, 5)
+    changed = np.argwhere((out != image).any(-1))
+    assert 0 < len(changed) <= 256 and np.ptp(changed[:, 0]) < 16 and np.ptp(changed[:, 1]) < 16
+
+
+def test_summary_of_a_rate():
+    records = [record(0.0, 0.5, 2.0), record(1.0, 1.0, 3.0), record(2.0, None, 4.0, 0, "HTTP 503: busy")]
+    level = summarize(records, rate=1.5, seconds=2)
+    assert level["sent"] == 3 and level["answered"] == 2 and level["errors"] == 1
+    assert level["error_kinds"] == ["HTTP 503: busy"]
+    assert level["requests_per_s"] == 2 / 3.0  # first send to last answer
+    assert level["output_tokens_per_s"] == 128 / 3.0
+    assert level["ttft_p50_s"] == 0.75
+
+
+def test_overloaded_and_rate_at_slo():
+    def level(rate, answered_rate, p99, errors=0):
+        return {"rate": rate, "requests_per_s": answered_rate, "ttft_p99_s": p99, "errors": errors}
+
+    levels = [level(2, 2.0, 0.4), level(4, 3.9, 1.5), level(8, 7.5, 2.5), level(16, 9.0, 12.0)]
+    assert [overloaded(lv, stop_ttft=10) for lv in levels] == [False, False, False, True]
+    assert overloaded(level(4, 3.0, 0.5), 10)  # fewer answers than asked
+    assert overloaded(level(4, 4.0, 0.5, errors=1), 10)
+    assert rate_at_slo(levels, 2.0) == 3.9
+    assert rate_at_slo([level(2, 2.0, 3.0)], 2.0) == 0.0
