@@ -1,4 +1,4 @@
-"""`benchmarks/e2e_bench.py`'s client processes: `--client-niceness` raises their nice value (as
+"""`benchmarks/common/clients.py`'s client processes: `--client-niceness` raises their nice value (as
 Ray's workers are raised to 15), and 0 leaves it as this process's."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from benchmarks.e2e_bench import ClientPool, Window
+from benchmarks.common.clients import ClientPool
+from benchmarks.common.cpu import Window
 
 
 def _report_niceness(_tag: str):
