@@ -20,6 +20,20 @@ and a share of 8-frame videos (given as frames); requests opt out of the service
 cache. A point's throughput counts the requests that complete within its window, after its warm-up.
 Prints a table, saves JSON and PNG plots (throughput against concurrency, latency CDF)
 with device, versions and command.
+
+`--load-step`: instead, `serve run <config>` (e.g. configs/multi-gpu.yaml, autoscaling) under a
+`--schedule` of closed-loop callers, through each of `--interfaces` in turn:
+
+    python benchmarks/e2e_bench.py --config configs/multi-gpu.yaml --load-step \
+        --schedule "0:0,30:96,230:96,260:0,560:0" --interfaces handle,safetensors --handle-processes 4 \
+        --out benchmarks/results/load_step_h200x2
+
+The callers change linearly between `seconds:callers` points (a time given twice is a step); the
+last point's time is the run's length, so end with time at the last load for Serve to scale back.
+Per `--window` seconds it records the scheduled callers, vision tokens/s and p50/p99 latency of the
+requests completed in it, errors, the encoder replicas by state (`serve.status()`) and each
+replica's warm-up stage (the router's `detail()`); saved as `<out>/load_step_<interface>.json`
+with a plot of load, throughput, latency and replicas against time (`.png`).
 """
 
 from __future__ import annotations
@@ -43,9 +57,11 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common.clients import ClientPool, handle_call, handle_load, handle_setup, http_setup  # noqa: E402
 from benchmarks.common.cpu import Window  # noqa: E402
 from benchmarks.common.failover import failover  # noqa: E402
+from benchmarks.common.load_step import report_load_steps, run_load_step  # noqa: E402
 from benchmarks.common.plots import plot, plot_scaling  # noqa: E402
 from benchmarks.common.record import Discard, Record, load_runs  # noqa: E402
 from benchmarks.common.report import scaling_table, table  # noqa: E402
+from benchmarks.common.schedule import parse_schedule  # noqa: E402
 from benchmarks.common.serve_log import SLOW_PROBE, occurrences  # noqa: E402
 from benchmarks.common.service import (  # noqa: E402
     compare_handle_and_http,
@@ -367,7 +383,28 @@ def main() -> None:
         help="with --replicas: the mixed load at this many callers per encoder replica (a closed loop "
         "of fixed callers gives more replicas less each), instead of --concurrency",
     )
+    parser.add_argument(
+        "--load-step",
+        action="store_true",
+        help="ours under --schedule through each of --interfaces in turn (see above), instead of the systems",
+    )
+    parser.add_argument(
+        "--schedule",
+        default="0:0,30:96,230:96,260:0,560:0",
+        help="--load-step: seconds:callers points, linear between them, a time given twice a step",
+    )
+    parser.add_argument("--window", type=float, default=5.0, help="--load-step: seconds per recorded window")
+    parser.add_argument(
+        "--poll", type=float, default=2.0, help="--load-step: seconds between observations of Serve's replicas"
+    )
     args = parser.parse_args()
+    if args.load_step:
+        if not 1 <= args.window <= 60 or not 0.5 <= args.poll <= args.window:
+            parser.error("--window takes 1-60 s, --poll 0.5 s up to --window")
+        try:
+            schedule = parse_schedule(args.schedule)
+        except ValueError as error:
+            parser.error(f"--schedule: {error}")
     if args.callers_per_replica and not args.replicas:
         parser.error("--callers-per-replica needs --replicas")
     if args.http_processes < 1 or args.handle_processes < 1:
@@ -376,6 +413,12 @@ def main() -> None:
     if args.replicas and len(args.replicas) > 1 and not args.report:
         if args.systems != "ours" or args.restart or args.replicas != sorted(args.replicas, reverse=True):
             parser.error("several --replicas: --systems ours only, no --restart, largest count first")
+    if args.load_step:
+        if args.report:
+            report_load_steps(args.out)
+        else:
+            run_load_step(args, schedule, workload(args.requests))
+        return
     folders = [args.out]
     if not args.report:
         requests = workload(args.requests)

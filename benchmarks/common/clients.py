@@ -12,11 +12,16 @@ import time
 from collections.abc import Callable
 
 from benchmarks.common.cpu import Window, own_cpu_seconds
+from benchmarks.common.schedule import Schedule, ScheduleShare, peak, shares
 from benchmarks.common.workload import JSON, handle_items
 
 USAGE = re.compile(rb'"vision_tokens":\s*(\d+)')
 CLIENT_START_S = 120.0
 """Longest a client process may take to start and connect before the point is abandoned."""
+IDLE_POLL_S = 0.05
+"""How often a caller that the schedule holds back looks again (a load step's callers)."""
+Active = Callable[[int, float], bool]
+"""`active(caller, time.perf_counter())`: whether that caller sends now (None: always)."""
 
 
 def tokens_in(body: bytes, encoding_format: str) -> int:
@@ -38,7 +43,9 @@ def server_timing(header: str) -> dict[str, float]:
     return stages
 
 
-async def _http_clients(url: str, bodies: list[bytes], fmt: str, concurrency: int, seconds: float, offset: int):
+async def _http_clients(
+    url: str, bodies: list[bytes], fmt: str, concurrency: int, seconds: float, offset: int, active: Active | None
+):
     import aiohttp
 
     samples, stop = [], time.perf_counter() + seconds
@@ -47,11 +54,19 @@ async def _http_clients(url: str, bodies: list[bytes], fmt: str, concurrency: in
 
         async def client(worker: int) -> None:
             n = worker
-            while time.perf_counter() < stop:
+            while (now := time.perf_counter()) < stop:
+                if active is not None and not active(worker, now):
+                    await asyncio.sleep(IDLE_POLL_S)
+                    continue
                 body = bodies[(offset + n) % len(bodies)]
                 start = time.perf_counter()
-                async with session.post(url, data=body, headers=JSON) as reply:
-                    data = await reply.read()
+                try:
+                    async with session.post(url, data=body, headers=JSON) as reply:
+                        data = await reply.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as error:  # a failure is a sample, not the end
+                    samples.append((start, time.perf_counter(), 0, type(error).__name__, {}))
+                    n += concurrency
+                    continue
                 ok = reply.status == 200
                 stages = server_timing(reply.headers.get("Server-Timing", ""))
                 samples.append((start, time.perf_counter(), tokens_in(data, fmt) if ok else 0, reply.status, stages))
@@ -63,17 +78,22 @@ async def _http_clients(url: str, bodies: list[bytes], fmt: str, concurrency: in
 
 def http_setup(url: str, bodies: list[bytes], fmt: str):
     """A client process's HTTP load: (run a share of it, clean up)."""
+    import aiohttp  # noqa: F401 - imported here, before any load's clock starts
+
     loop = asyncio.new_event_loop()
 
-    def run(concurrency: int, seconds: float, offset: int) -> list:
-        return loop.run_until_complete(_http_clients(url, bodies, fmt, concurrency, seconds, offset))
+    def run(concurrency: int, seconds: float, offset: int, active: Active | None = None) -> list:
+        return loop.run_until_complete(_http_clients(url, bodies, fmt, concurrency, seconds, offset, active))
 
     return run, loop.close
 
 
-async def handle_load(call, requests: list[list], concurrency: int, seconds: float, offset: int = 0) -> list:
+async def handle_load(
+    call, requests: list[list], concurrency: int, seconds: float, offset: int = 0, active: Active | None = None
+) -> list:
     """`call(items) -> tokens` (or `(tokens, the service's stages in ms)`) awaited in a closed loop
-    by `concurrency` callers; a call the service fails is a sample with the error's name."""
+    by `concurrency` callers (those `active` allows at the time); a call the service fails is a
+    sample with the error's name."""
     from ray.exceptions import RayError
 
     from deployments.errors import RequestError
@@ -82,7 +102,10 @@ async def handle_load(call, requests: list[list], concurrency: int, seconds: flo
 
     async def client(worker: int) -> None:
         n = offset + worker
-        while time.perf_counter() < stop:
+        while (now := time.perf_counter()) < stop:
+            if active is not None and not active(worker, now):
+                await asyncio.sleep(IDLE_POLL_S)
+                continue
             start = time.perf_counter()
             try:
                 out = await call(requests[n % len(requests)])
@@ -115,18 +138,15 @@ def handle_setup(address: str, app: str, requests: list):
     import ray
     from ray import serve
 
+    import deployments.errors  # noqa: F401 - imported here, before any load's clock starts
+
     ray.init(address=address, log_to_driver=False, logging_level="ERROR")
     call, loop = handle_call(serve.get_app_handle(app)), asyncio.new_event_loop()
 
-    def run(concurrency: int, seconds: float, offset: int) -> list:
-        return loop.run_until_complete(handle_load(call, requests, concurrency, seconds, offset))
+    def run(concurrency: int, seconds: float, offset: int, active: Active | None = None) -> list:
+        return loop.run_until_complete(handle_load(call, requests, concurrency, seconds, offset, active))
 
     return run, ray.shutdown
-
-
-def shares(concurrency: int, processes: int) -> list[int]:
-    """`concurrency` callers split over `processes` as evenly as they go."""
-    return [concurrency // processes + (p < concurrency % processes) for p in range(processes)]
 
 
 def _pool_client(setup: Callable, static: tuple, index: int, inbox, out, niceness: int = 0) -> None:
@@ -137,10 +157,18 @@ def _pool_client(setup: Callable, static: tuple, index: int, inbox, out, nicenes
         run, close = setup(*static)
         out.put(("ready", index))
         while (job := inbox.get()) is not None:
-            concurrency, seconds, offset, start_at = job
+            concurrency, seconds, offset, start_at, active = job
             time.sleep(max(0.0, start_at - time.time()))  # every client starts the clock together
-            began = own_cpu_seconds()
-            samples = run(concurrency, seconds, offset)
+            began, zero = own_cpu_seconds(), time.perf_counter()
+            if active is None:
+                samples = run(concurrency, seconds, offset)
+            else:  # a schedule: its clock and its samples' times in seconds since it began, in every process
+
+                def on_clock(caller: int, now: float, share=active) -> bool:
+                    return share(caller, now - zero)
+
+                seconds -= time.perf_counter() - zero  # the schedule ends on time however late this starts
+                samples = [(s[0] - zero, s[1] - zero, *s[2:]) for s in run(concurrency, seconds, offset, on_clock)]
             out.put((samples, own_cpu_seconds() - began))
     except BaseException as error:  # the parent must hear of it, not wait for it
         out.put(f"client process {index}: {type(error).__name__}: {error}")
@@ -184,12 +212,24 @@ class ClientPool:
         used = shares(concurrency, min(len(self.inboxes), concurrency))
         start_at = time.time() + 0.2
         for p, share in enumerate(used):
-            self.inboxes[p].put((share, seconds, p * 7919, start_at))
+            self.inboxes[p].put((share, seconds, p * 7919, start_at, None))
         time.sleep(max(0.0, start_at - time.time()))
         window.open()
         parts = [self._check(self.out.get(timeout=seconds + 300)) for _ in used]
         window.close()
         return [sample for part, _ in parts for sample in part], sum(cpu for _, cpu in parts)
+
+    def run_schedule(self, schedule: Schedule, start_at: float) -> list:
+        """The schedule's callers over as many of the processes as its peak needs, from wall-clock
+        time `start_at` to its end: the samples, their times in seconds from `start_at`."""
+        processes = min(len(self.inboxes), max(1, peak(schedule)))
+        seconds = schedule[-1][0]
+        for p in range(processes):
+            active = ScheduleShare(schedule, p, processes)
+            self.inboxes[p].put((max(1, active.most()), seconds, p * 7919, start_at, active))
+        wait = max(0.0, start_at - time.time()) + seconds + 300
+        parts = [self._check(self.out.get(timeout=wait)) for _ in range(processes)]
+        return [sample for part, _ in parts for sample in part]
 
     def close(self) -> None:
         for inbox in self.inboxes:

@@ -82,3 +82,39 @@ def plot_scaling(runs: dict[int, dict], out: Path) -> None:
     axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(out / "scaling.png", dpi=110)
+
+
+def plot_load_step(record: dict, path: Path) -> None:
+    """A load step against time: scheduled callers, vision tokens/s, p50/p99 latency, and the
+    encoder replicas by Serve's state with those at full speed, one value per window."""
+    if (plt := pyplot()) is None:
+        return
+    rows = record["windows"]
+    edges = [row["t0_s"] for row in rows] + [rows[-1]["t1_s"]] if rows else [0.0]
+    figure, (load, rate, latency, replicas) = plt.subplots(4, 1, figsize=(10, 10), sharex=True)
+    load.plot(*zip(*record["schedule"]), color="black", label="scheduled callers")
+    load.stairs([row["callers"] for row in rows], edges, label="mean per window")
+    rate.stairs([row["tokens_per_s"] for row in rows], edges, color="tab:green")
+    for key, style in (("p50_ms", "-"), ("p99_ms", "--")):
+        shown = [row[key] if row[key] is not None else np.nan for row in rows]
+        latency.stairs(shown, edges, linestyle=style, label=key.removesuffix("_ms"))
+    errors = [(row["t0_s"], row["errors"]) for row in rows if row["errors"]]
+    if errors:
+        rate.scatter(*zip(*errors), color="red", marker="x", label="windows with errors")
+        rate.legend(fontsize=7)
+    states = sorted({state for row in rows for state in (row["replicas"] or {})})
+    for state in states:
+        replicas.stairs([(row["replicas"] or {}).get(state, 0) for row in rows], edges, label=state.lower())
+    replicas.stairs([row["full_speed_replicas"] for row in rows], edges, color="black", linestyle=":")
+    replicas.plot([], [], color="black", linestyle=":", label="at full speed")
+    load.set(ylabel="callers", title=f"load step, {record['interface']}")
+    rate.set(ylabel="vision tokens / s")
+    latency.set(ylabel="latency (ms)", yscale="log")
+    replicas.set(ylabel="encoder replicas", xlabel="seconds from the schedule's start")
+    for axis in (load, latency, replicas):
+        axis.legend(fontsize=7)
+    rate.set_ylim(bottom=0)
+    replicas.set_ylim(bottom=0)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

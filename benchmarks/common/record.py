@@ -11,12 +11,12 @@ from benchmarks.common.environment import environment
 
 
 class Record(dict):
-    """One system's results, written to `<out>/e2e_<system>.json` after every point: a run stopped
-    early (a time limit, a crash) keeps what it measured, marked `"complete": false`."""
+    """One system's results, written to `<out>/<prefix>_<system>.json` after every point: a run
+    stopped early (a time limit, a crash) keeps what it measured, marked `"complete": false`."""
 
-    def __init__(self, out: Path, system: str, config: Path):
+    def __init__(self, out: Path, system: str, config: Path, prefix: str = "e2e"):
         super().__init__(environment=environment(), config=str(config), complete=False)
-        self.path = out / f"e2e_{system}.json"
+        self.path = out / f"{prefix}_{system}.json"
 
     def save(self) -> None:
         partial = self.path.with_suffix(".json.partial")  # a kill mid-write leaves the last whole file
