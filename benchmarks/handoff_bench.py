@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.environment import environment  # noqa: E402
+from benchmarks.common.environment import environment  # noqa: E402
 from deployments.wire import item_nbytes, item_to_wire  # noqa: E402
 from models.protocol import ItemOutput  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""What benchmark results record about the host (benchmarks/environment.py)."""
+"""What benchmark results record about the host (benchmarks/common/environment.py)."""
 
 import os
 import shutil
@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from benchmarks.environment import commit, numa_cpus, parse_cpulist, tree
+from benchmarks.common.environment import commit, numa_cpus, parse_cpulist, tree
 
 
 def test_cpulists_parse_as_the_kernel_writes_them():

@@ -1,7 +1,7 @@
-"""The benchmark's reading of `serve run`'s log (benchmarks/serve_log.py), on lines that real
+"""The benchmark's reading of `serve run`'s log (benchmarks/common/serve_log.py), on lines that real
 failed starts wrote (trimmed to the lines that matter)."""
 
-from benchmarks.serve_log import ray_address, startup_failure, startup_lines
+from benchmarks.common.serve_log import ray_address, startup_failure, startup_lines
 
 STARTING = (
     "2026-11-27 00:25:09,527\tINFO worker.py:2029 -- Started a local Ray instance. View the dashboard at "

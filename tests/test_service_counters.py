@@ -1,9 +1,9 @@
-"""The benchmark's differencing of the service's counters (benchmarks/service_counters.py) and its
-count of Serve's slow-probe lines (benchmarks/serve_log.py), on snapshots shaped as
+"""The benchmark's differencing of the service's counters (benchmarks/common/service_counters.py) and its
+count of Serve's slow-probe lines (benchmarks/common/serve_log.py), on snapshots shaped as
 `/v1/models/{id}` returns them and on lines a real run logged."""
 
-from benchmarks.serve_log import SLOW_PROBE, occurrences
-from benchmarks.service_counters import counted_between, replica_rates, run_shares
+from benchmarks.common.serve_log import SLOW_PROBE, occurrences
+from benchmarks.common.service_counters import counted_between, replica_rates, run_shares
 
 
 def work(pid: int, at: float, forwards: int, requests: int, tokens: int, run: float, store: float) -> dict:

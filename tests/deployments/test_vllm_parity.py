@@ -47,7 +47,7 @@ from PIL import Image
 from ray import serve
 from transformers import AutoProcessor
 
-from benchmarks.e2e_bench import photo
+from benchmarks.common.workload import photo
 from deployments.vllm_engine import multi_modal_data
 from deployments.wire import GenerateRequest, item_to_wire
 from models.protocol import ItemOutput
@@ -67,7 +67,7 @@ TOP_LOGPROBS = 5
 
 
 def picture(width: int, height: int, seed: int) -> Image.Image:
-    """A photo-like image (e2e_bench's), decoded: both sides get the same pixels."""
+    """A photo-like image (the benchmarks' workload), decoded: both sides get the same pixels."""
     return Image.open(io.BytesIO(photo(np.random.default_rng(seed), width, height))).convert("RGB")
 
 
