@@ -191,6 +191,18 @@ def _where(document, location: tuple) -> str:
     return ".".join(parts) or "the file"
 
 
+def _in_document(document, location: tuple) -> tuple:
+    """The part of a pydantic error location that is in the document (without the union member tags
+    pydantic appends, e.g. `num_replicas.constrained-int`)."""
+    kept, value = [], document
+    for part in location:
+        if not (isinstance(value, (dict, list)) and _has(value, part)):
+            break
+        kept.append(part)
+        value = value[part]
+    return tuple(kept)
+
+
 def _has(value, part) -> bool:
     return part in value if isinstance(value, dict) else isinstance(part, int) and 0 <= part < len(value)
 
@@ -229,10 +241,12 @@ def serve_schema_problems(document) -> list[str]:
     try:
         ServeDeploySchema.model_validate(document)
     except ValidationError as error:
+        found: dict[str, list[str]] = {}  # a union's alternatives fail at the same key: one line for them
         for e in error.errors():
             value = e.get("input")
             shown = "" if isinstance(value, (dict, list)) else f" (got {value!r})"
-            problems.append(f"`{_where(document, e['loc'])}`{shown}: {e['msg']}")
+            found.setdefault(f"`{_where(document, _in_document(document, e['loc']))}`{shown}", []).append(e["msg"])
+        problems += [f"{where}: {' or '.join(dict.fromkeys(messages))}" for where, messages in found.items()]
     for location, known in unknown_keys(ServeDeploySchema, document):
         key = str(location[-1])
         close = difflib.get_close_matches(key, known, n=1)
@@ -275,10 +289,6 @@ def check_file(path: str) -> list[str]:
     apps = [a for a in applications if a.get("import_path") == BUILD_APP]
     if not apps:
         return problems + [f"{path}: no application with import_path {BUILD_APP}"]
-    names = [a.get("name", "default") for a in applications]
-    problems += [
-        f"{path}: application name {n!r} is used twice" for n in sorted({n for n in names if names.count(n) > 1})
-    ]
     for app in apps:
         name = app.get("name", "default")
         try:
