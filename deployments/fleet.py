@@ -110,15 +110,20 @@ class EncoderFleet:
     def why_llm_not_ready(self) -> str:
         """Why chat requests cannot reach the LLM now, naming its deployment."""
         if not self.fresh:
-            return f"the LLM deployment {self.llm.name!r}'s state is unknown (Serve's controller did not answer)"
+            return f"the LLM deployment {self.llm.name!r}'s state is {self._unknown()}"
         return f"LLM deployment {self.llm.name!r} is not running: {self.llm.why_not_running()}"
 
     def why_not_ready(self) -> str:
         if not self.fresh:
-            return "the encoder replicas' state is unknown (Serve's controller did not answer)"
+            return f"the encoder replicas' state is {self._unknown()}"
         detail = f": {self.message}" if self.message else ""
         counts = ", ".join(f"{n} {state.lower()}" for state, n in sorted(self.states.items())) or "none"
         return f"no encoder replica is ready ({counts}; deployment {self.status}){detail}"
+
+    def _unknown(self) -> str:
+        if not self._first.is_set():
+            return "not read yet (the router has just started)"
+        return "unknown (Serve's controller did not answer)"
 
     def start(self, first_reading_s: float = STALE_S) -> None:
         """Refresh in a background thread; wait (at most `first_reading_s`) for the first reading."""

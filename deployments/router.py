@@ -75,16 +75,19 @@ DETAIL_TTL_S = 1.0
 """How long `/v1/models/{id}` reuses its last `detail()` (with `router.expose_detail`)."""
 
 
+FIRST_READING_S = 2.0
+"""The longest the constructor waits for its first reading of Serve's status (`/health` says "not
+read yet" until it comes)."""
 STARTING = "the router is starting (its decode pool and encode path are being set up)"
 """Why the router cannot serve yet, while its background setup runs."""
 
 
 @serve.ingress(api)
 class EncoderRouter:
-    """The constructor returns at once, so that Serve routes HTTP to this replica from its first
-    moment and `/health` answers 503 with what is missing instead of hanging (a readiness probe
-    with a short timeout would fail instead); the slow part (the decode pool, torch, the encode
-    path) is set up on a thread, and the ready line says when it is done."""
+    """The constructor returns quickly (after at most `FIRST_READING_S`), so that Serve routes HTTP
+    to this replica from its first moment and `/health` answers 503 with what is missing instead of
+    hanging (a readiness probe with a short timeout would fail instead); the slow part (the decode
+    pool, torch, the encode path) is set up on a thread, and the ready line says when it is done."""
 
     def __init__(self, config: AppConfig, encoder: DeploymentHandle, llm: DeploymentHandle | None, ladder: Ladder):
         self._start = time.perf_counter()
@@ -109,7 +112,7 @@ class EncoderRouter:
         self.fleet = EncoderFleet(
             serve.get_replica_context().app_name, llm=None if llm is None else llm.deployment_name
         )
-        self.fleet.start(first_reading_s=0)  # readings come in the background; /health says "unknown" until then
+        self.fleet.start(FIRST_READING_S)  # later readings come in the background
         api.state.router = self  # the serving app's handlers reach the router through this
         threading.Thread(target=self._set_up, args=(ladder,), name="router-setup", daemon=True).start()
 
