@@ -26,6 +26,7 @@ from ray.serve.deployment import Deployment
 from ray.serve.schema import LoggingConfig
 
 from .config import AppConfig, deployment_ladder
+from .deployment_names import ENCODER, LLM_ENGINES, ROUTER, name_of
 from .validation import validate
 
 ROUTING_STATS_PERIOD_S = 1.0
@@ -33,13 +34,13 @@ ROUTING_STATS_PERIOD_S = 1.0
 
 def deployment(import_path: str, **options) -> Deployment:
     """A deployment of the class at `import_path` (`module.Class`), named after the class."""
-    return serve.deployment(name=import_path.rpartition(".")[2], **options)(import_path)
+    return serve.deployment(name=name_of(import_path), **options)(import_path)
 
 
 def encoder_deployment(config: AppConfig, logging_config: LoggingConfig) -> Deployment:
     """The encoder replica deployment with defaults for its device (one GPU each on CUDA)."""
     return deployment(
-        "deployments.encoder.EncoderReplica",
+        ENCODER,
         max_ongoing_requests=8,
         health_check_period_s=10,
         ray_actor_options={"num_cpus": 1, "num_gpus": 1 if config.model.device == "cuda" else 0},
@@ -55,7 +56,7 @@ def llm_deployment(config: AppConfig, logging_config: LoggingConfig) -> Deployme
     """The E/PD language model: transformers' (`LLMReplica`) or vLLM's engine (`VLLMReplica`)."""
     vllm = config.llm.engine == "vllm"
     return deployment(
-        "deployments.vllm_engine.VLLMReplica" if vllm else "deployments.llm.LLMReplica",
+        LLM_ENGINES[config.llm.engine],
         max_ongoing_requests=64 if vllm else 16,
         ray_actor_options={"num_cpus": 1, "num_gpus": 1 if config.llm.device == "cuda" else 0},
         logging_config=logging_config,
@@ -69,5 +70,5 @@ def build_app(args: dict) -> Application:
     logging_config = LoggingConfig(enable_access_log=config.router.log_requests)
     encoder = encoder_deployment(config, logging_config).bind(config, ladder)
     llm = None if config.llm is None else llm_deployment(config, logging_config).bind(config)
-    router = deployment("deployments.router.EncoderRouter", max_ongoing_requests=2048, logging_config=logging_config)
+    router = deployment(ROUTER, max_ongoing_requests=2048, logging_config=logging_config)
     return router.bind(config, encoder, llm, ladder)

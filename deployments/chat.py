@@ -23,7 +23,7 @@ from fastapi.responses import StreamingResponse
 from models.protocol import ItemSpec
 
 from .config import AppConfig, Limits
-from .errors import RequestError
+from .errors import RequestError, overloaded
 from .media import RawItem
 from .prompt_tokens import PromptText, count_text
 from .schemas import ChatMessage, ChatRequest, ImagePart, TextPart
@@ -96,18 +96,41 @@ async def complete(service, body: ChatRequest, scope: str | None):
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(service, request, include_usage), media_type="text/event-stream")
-    result = await result_within(service.llm.generate.remote(request), service.config.router.request_timeout_s)
+    result = await result_within(
+        service.llm.generate.remote(request), service.config.router.request_timeout_s, service.llm.deployment_name
+    )
     return completion(service.config.llm.model_id, result)
 
 
-async def result_within(response, timeout_s: float):
-    """A `DeploymentResponse`'s result, or 504 after `timeout_s`: the call is cancelled, which stops
-    the generation in the LLM replica (ceasing to await it would not)."""
+async def result_within(response, timeout_s: float, deployment: str | None = None):
+    """A `DeploymentResponse`'s result, or 504 after `timeout_s` (naming the `deployment` that did
+    not answer): the call is cancelled, which stops the generation in the LLM replica (ceasing to
+    await it would not)."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    who = "" if deployment is None else f"LLM deployment {deployment!r}: "
     try:
         return await asyncio.wait_for(response, timeout_s)
     except asyncio.TimeoutError:
         response.cancel()
-        raise RequestError(504, f"not done within request_timeout_s={timeout_s}", error_type="timeout_error") from None
+        raise RequestError(
+            504, f"{who}not done within request_timeout_s={timeout_s}", error_type="timeout_error"
+        ) from None
+    except (ActorDiedError, ActorUnavailableError) as error:  # its replica died or went away mid-request
+        raise RequestError(
+            503,
+            f"{who}its replica failed during the request ({type(error).__name__}); send again",
+            error_type="overloaded_error",
+        ) from None
+
+
+def check_llm(service) -> None:
+    """503 at once, naming the LLM deployment and why, when no LLM replica runs (it is starting,
+    failing or cannot be scheduled): a request sent to it would wait for a replica until
+    `request_timeout_s`."""
+    fleet = getattr(service, "fleet", None)
+    if fleet is not None and not fleet.llm_ready:
+        raise overloaded(fleet.why_llm_not_ready(), service.config.router.retry_after_s)
 
 
 async def _generate_request(service, body: ChatRequest, scope: str | None):
@@ -128,6 +151,7 @@ async def _generate_request(service, body: ChatRequest, scope: str | None):
         )
     messages, urls, places = split_messages(body.messages)
     check_image_count(places, config.limits)
+    check_llm(service)  # before any image is decoded or encoded for it
     prompt = await _prompt_text(config, messages)
     raws = [RawItem(i, "image", url) for i, url in enumerate(urls)]
     try:

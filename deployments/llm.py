@@ -28,9 +28,12 @@ from models.tiny_checkpoint import build_preset_tokenizer
 
 from .config import AppConfig, LLMSettings
 from .errors import RequestError, log_refusals_in_one_line
+from .process import before_constructor
 from .wire import GenerateRequest, GenerateResult, item_from_wire, resolve_dtype
 
 logger = logging.getLogger("ray.serve")
+IMPORTED = time.monotonic()
+"""The end of this module's imports, for the replica's ready line."""
 
 
 class StopWhenSet(StoppingCriteria):
@@ -119,12 +122,15 @@ async def fetch_embeddings(refs: list, totals: dict) -> tuple[list[ItemOutput], 
 
 class LLMReplica:
     def __init__(self, config: AppConfig):
+        start = time.perf_counter()
+        before = before_constructor(IMPORTED)
         log_refusals_in_one_line()
         settings = config.llm
         self.device = settings.device
         self.model, self.tokenizer = load_language_model(
             settings, settings.device, resolve_dtype(settings.dtype, settings.device)
         )
+        loaded_s = time.perf_counter() - start
         model_config = self.model.config
         self.image_token_id = model_config.image_token_id
         self.video_token_id = getattr(model_config, "video_token_id", None)
@@ -144,6 +150,17 @@ class LLMReplica:
         self.max_prompt_tokens = settings.max_prompt_tokens
         self.cancelled = 0
         """Generations stopped because their request went away (timed out or disconnected)."""
+        logger.info(
+            "LLM replica ready in %.1f s (%s on %s, weights %.1f s; before it: imports %.1f s, Serve's setup %.1f s, "
+            "%.1f s since its worker process started)",
+            time.perf_counter() - start,
+            settings.model_id,
+            settings.device,
+            loaded_s,
+            before.imports_s,
+            before.setup_s,
+            before.process_s,
+        )
 
     async def _fetch(self, request: GenerateRequest) -> tuple[list[ItemOutput], dict]:
         return await fetch_embeddings(request.embeddings, self.handoff_totals)

@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -74,57 +75,126 @@ DETAIL_TTL_S = 1.0
 """How long `/v1/models/{id}` reuses its last `detail()` (with `router.expose_detail`)."""
 
 
+FIRST_READING_S = 2.0
+"""The longest the constructor waits for its first reading of Serve's status (`/health` says "not
+read yet" until it comes)."""
+STARTING = "the router is starting (its decode pool and encode path are being set up)"
+"""Why the router cannot serve yet, while its background setup runs."""
+
+
 @serve.ingress(api)
 class EncoderRouter:
-    def __init__(self, config: AppConfig, encoder: DeploymentHandle, llm: DeploymentHandle | None, ladder: Ladder):
-        start = time.perf_counter()
-        before = before_constructor(IMPORTED)
-        log_refusals_in_one_line()
-        template = Template.spawn()  # first: it imports torch and transformers while this process does
-        try:
-            from .service import EncodeService  # torch, transformers: the whole encode path
+    """The constructor returns quickly (after at most `FIRST_READING_S`), so that Serve routes HTTP
+    to this replica from its first moment and `/health` answers 503 with what is missing instead of
+    hanging (a readiness probe with a short timeout would fail instead); the slow part (the decode
+    pool, torch, the encode path) is set up on a thread, and the ready line says when it is done."""
 
-            self.config = config
-            self.encoder = encoder
-            self.llm = llm
-            self.metrics = RouterMetrics()
-            self.rejected: dict[str, int] = {}
-            self.ladder = ladder.budgets  # the app builder's, as every encoder replica's
-            self.fleet = EncoderFleet(serve.get_replica_context().app_name)
-            self.fleet.start()
-            self.service = EncodeService(config, ladder, encoder, llm, self.fleet, self.metrics)
-            self.service.start(template)  # sends the template its setup, waits for it, forks the workers
-        except BaseException:
-            template.close()  # no decode process outlives a router that failed to start
-            self._close()
-            raise
+    def __init__(self, config: AppConfig, encoder: DeploymentHandle, llm: DeploymentHandle | None, ladder: Ladder):
+        self._start = time.perf_counter()
+        self._before = before_constructor(IMPORTED)
+        log_refusals_in_one_line()
+        self.config = config
+        self.encoder = encoder
+        self.llm = llm
+        self.metrics = RouterMetrics()
+        self.rejected: dict[str, int] = {}
+        self.ladder = ladder.budgets  # the app builder's, as every encoder replica's
+        self.service = None
+        """The encode path (`service.EncodeService`), once the background setup has built it."""
+        self.setup_error: str | None = None
+        """Why the background setup failed (Serve's health check then replaces this replica)."""
+        self._ready = threading.Event()
         self._described: dict[str, tuple[float, dict]] = {}
         """Each deployment's last description and when it came (`_describe`)."""
         self._detail: tuple[float, dict] | None = None
         self._detail_task: asyncio.Future | None = None
-        self._stop_gauges = refresh_gauges(self.service.set_gauges)
+        self._stop_gauges: threading.Event | None = None
+        self.fleet = EncoderFleet(
+            serve.get_replica_context().app_name, llm=None if llm is None else llm.deployment_name
+        )
+        self.fleet.start(FIRST_READING_S)  # later readings come in the background
         api.state.router = self  # the serving app's handlers reach the router through this
-        set_proxy_access_log(config.router.log_requests)
+        threading.Thread(target=self._set_up, args=(ladder,), name="router-setup", daemon=True).start()
+
+    def _set_up(self, ladder: Ladder) -> None:
+        """The slow part of starting: the decode pool's template (spawned first: it imports torch
+        and transformers while this process does), the encode path, then the ready line."""
+        try:
+            template = Template.spawn()
+            try:
+                from .service import EncodeService  # torch, transformers: the whole encode path
+
+                service = EncodeService(self.config, ladder, self.encoder, self.llm, self.fleet, self.metrics)
+                try:
+                    service.start(template)  # sends the template its setup, waits for it, forks the workers
+                except BaseException:
+                    service.close()
+                    raise
+            except BaseException:
+                template.close()  # no decode process outlives a router that failed to start
+                raise
+            self.service = service
+            self._stop_gauges = refresh_gauges(service.set_gauges)
+            set_proxy_access_log(self.config.router.log_requests)
+        except Exception as error:
+            self.setup_error = f"the router failed to start: {type(error).__name__}: {error}"
+            logger.exception("router setup failed; Serve's health check replaces this replica")
+            return
+        finally:
+            self._ready.set()
         logger.info(
             "router ready in %.1f s (before it: imports %.1f s, Serve's setup %.1f s; %d decode workers + 1 for "
             "small images, HTTP through %s). Attach from Python: %s",
-            time.perf_counter() - start,
-            before.imports_s,
-            before.setup_s,
+            time.perf_counter() - self._start,
+            self._before.imports_s,
+            self._before.setup_s,
             self.service.intake.pool.size - 1,
             http_ingress(),
             attach_hint(serve.get_replica_context().app_name),
         )
 
+    def check_health(self) -> None:
+        """Serve's replica health check: a router whose setup failed is replaced."""
+        if self.setup_error is not None:
+            raise RuntimeError(self.setup_error)
+
+    def _serving(self):
+        """The encode path, or 503 (Retry-After) while it is being set up or if its setup failed."""
+        if self.service is None:
+            raise overloaded(self.setup_error or STARTING, self.config.router.retry_after_s)
+        return self.service
+
+    async def _serving_when_ready(self):
+        """The encode path for a handle caller: waits for the setup (at most `request_timeout_s`),
+        as a handle call waits for a replica that is starting."""
+        if self.service is None and self.setup_error is None:
+            await asyncio.to_thread(self._ready.wait, self.config.router.request_timeout_s)
+        return self._serving()
+
+    def missing(self) -> list[str]:
+        """What keeps the application from serving every request now (empty: nothing)."""
+        reasons = []
+        if self.service is None:
+            reasons.append(self.setup_error or STARTING)
+        elif self.service.decode_workers_alive == 0:
+            reasons.append("no decode worker is running")
+        if not self.fleet.ready:
+            reasons.append(self.fleet.why_not_ready())
+        if not self.fleet.llm_ready:
+            reasons.append(self.fleet.why_llm_not_ready())
+        return reasons
+
     def __del__(self):
         self._close()
 
     def _close(self) -> None:
-        """Stop what the constructor started, as far as it got."""
+        """Stop what the constructor and the setup started, as far as they got."""
         if (fleet := getattr(self, "fleet", None)) is not None:
             fleet.stop()
         if (service := getattr(self, "service", None)) is not None:
             service.close()
+        if (stop := getattr(self, "_stop_gauges", None)) is not None:
+            stop.set()
 
     # ---- HTTP ----
 
@@ -133,22 +203,26 @@ class EncoderRouter:
         if body.model is not None and body.model != self.config.model.model_id:
             raise RequestError(404, f"model {body.model!r} is not served here; see /v1/models", "model")
         try:
-            return await self.service.encode_http(body, self._tenant(request))
+            return await self._serving().encode_http(body, self._tenant(request))
         except asyncio.CancelledError:  # the client went away (Serve cancels its request)
             self.count_rejection(499)
             raise
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        """200 when a request can be served now; else 503 with the reason and Retry-After."""
-        if not self.fleet.ready or self.service.decode_workers_alive == 0:
-            reason = self.fleet.why_not_ready() if not self.fleet.ready else "no decode worker is running"
-            return JSONResponse(
-                overloaded(reason, self.config.router.retry_after_s).body(),
-                status_code=503,
-                headers={"Retry-After": str(self.config.router.retry_after_s)},
-            )
-        return JSONResponse({"status": "ok", "encoder_replicas": self.fleet.running})
+        """200 when every part of the application can serve now (the router's encode path, an
+        encoder replica, and in E/PD an LLM replica); else 503 with Retry-After, whose message
+        names every missing part (also listed under `missing`). Answers at once from the router's
+        first moment: it reads only the router's state and the last readings of Serve's status."""
+        missing = self.missing()
+        if missing:
+            body = overloaded("; ".join(missing), self.config.router.retry_after_s).body()
+            body["missing"] = missing
+            return JSONResponse(body, status_code=503, headers={"Retry-After": str(self.config.router.retry_after_s)})
+        body = {"status": "ok", "encoder_replicas": self.fleet.running}
+        if self.fleet.llm is not None:
+            body["llm_replicas"] = self.fleet.llm.running
+        return JSONResponse(body)
 
     @api.get("/v1/models")
     async def models(self) -> dict:
@@ -187,7 +261,7 @@ class EncoderRouter:
         counters), and nothing that costs more than reading this router's own state."""
         reports = replica_reports()
         return {
-            "family": self.service.family,
+            "family": self._serving().family,
             "budgets": list(self.ladder),
             "replicas": self.fleet.states,
             # every replica's warm-up as its last routing report gave it
@@ -214,7 +288,7 @@ class EncoderRouter:
         encoder = {
             **self._public_detail(),
             "replica_work": {rid: r["work"] for rid, r in reports.items() if "work" in r},
-            "router": await asyncio.to_thread(self.router_stats),
+            "router": await asyncio.to_thread(self.router_stats) if self.service is not None else {"status": STARTING},
             "replica": await self._describe(self.encoder),
         }
         detail = {"encoder": encoder}
@@ -241,7 +315,7 @@ class EncoderRouter:
     @api.post("/v1/chat/completions")
     async def chat_http(self, body: ChatRequest, request: Request):
         try:
-            return await self.service.chat(body, self._tenant(request))
+            return await self._serving().chat(body, self._tenant(request))
         except asyncio.CancelledError:  # the client went away (Serve cancels its request)
             self.count_rejection(499)
             raise
@@ -261,7 +335,7 @@ class EncoderRouter:
         `as_refs`, `ItemRef`s (metadata and the reference only). `cache_salt`: share cache entries only
         with calls that give the same salt."""
         try:
-            return await self.service.encode(items, cache, as_refs, cache_salt)
+            return await (await self._serving_when_ready()).encode(items, cache, as_refs, cache_salt)
         except RequestError as error:  # over HTTP the exception handler counts it
             self.count_rejection(error.status)
             raise
@@ -272,7 +346,8 @@ class EncoderRouter:
     async def chat(self, messages: list[dict], **params) -> dict:
         """The chat endpoint through the Python handle: OpenAI-shaped messages in, a chat.completion out."""
         try:
-            return await self.service.chat(parse_chat_request({"messages": messages, **params}))
+            service = await self._serving_when_ready()
+            return await service.chat(parse_chat_request({"messages": messages, **params}))
         except RequestError as error:
             self.count_rejection(error.status)
             raise

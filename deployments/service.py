@@ -55,6 +55,7 @@ class EncodeService:
     ):
         self.config = config
         self.llm = llm
+        self.fleet = fleet
         self.metrics = metrics
         self.family, _ = load_preprocessor(config.model.preset, config.model.family, config.model.path)
         self.queue = EncodeQueue(config, ladder.budgets, ladder.max_items, ladder.max_segments, encoder, fleet, metrics)

@@ -3,11 +3,17 @@
 Serve shows a `RayServeException` raised by an application builder as its message alone
 (any other exception as a traceback, and a replica constructor's failure as a traceback per
 retry), so every check here raises `ConfigError` naming the key, the value and the fix.
+
+`python -m deployments.validation FILE.yaml` checks a whole Serve config file without starting
+anything: Serve's own schema (`ServeDeploySchema`: types, and the keys Serve would silently
+ignore), each application's `args`, the names in its `deployments:` against the deployments it
+builds, and the vLLM engine arguments that can be checked without vLLM.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 import sys
 from pathlib import Path
 
@@ -16,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from ray.serve.exceptions import RayServeException
 
 from .config import AppConfig, deployment_ladder
+from .deployment_names import deployment_names
 
 
 class ConfigError(RayServeException):
@@ -105,10 +112,193 @@ def validate(args, devices: bool = True) -> AppConfig:
         check_path("llm.path", config.llm.path, config.llm.family)
         if devices:
             check_device("llm.device", config.llm.device)
+        problems = engine_problems(config.llm)
+        if problems:
+            raise ConfigError("; ".join(problems))
     return config
 
 
+def checkpoint_config(path: str) -> dict | None:
+    """A checkpoint's config.json, from its directory or the hub's local cache (never the network);
+    None where there is none to read."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        file = local / "config.json"
+    else:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(path, "config.json")
+        except Exception:  # not a hub id either: check_path says so
+            return None
+        file = Path(found) if isinstance(found, str) else None
+    if file is None or not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text())
+    except ValueError:
+        return None
+
+
+def context_length(config: dict) -> int | None:
+    """The language model's longest context in a VLM's config.json (`max_position_embeddings`, in
+    its `text_config` or at the top level)."""
+    for section in (config.get("text_config") or {}, config.get("llm_config") or {}, config):
+        if isinstance(section.get("max_position_embeddings"), int):
+            return section["max_position_embeddings"]
+    return None
+
+
+def engine_problems(settings) -> list[str]:
+    """What vLLM would refuse in `llm.engine_kwargs` (or crash-loop on), as far as it can be told
+    without importing vLLM: a `max_model_len` over the checkpoint's context, and
+    `gpu_memory_utilization` on a CPU device (vLLM's CPU backend reads it as a share of host RAM)."""
+    if settings.engine != "vllm":
+        return []
+    kwargs, problems = settings.engine_kwargs, []
+    if "max_model_len" in kwargs:
+        found = checkpoint_config(settings.path)
+        longest = None if found is None else context_length(found)
+        if longest is not None and isinstance(kwargs["max_model_len"], int) and kwargs["max_model_len"] > longest:
+            problems.append(
+                f"`llm.engine_kwargs.max_model_len` ({kwargs['max_model_len']}) exceeds the checkpoint's "
+                f"max_position_embeddings={longest} ({settings.path}); vLLM refuses to start: set it to {longest} "
+                "or less"
+            )
+    if settings.device == "cpu" and "gpu_memory_utilization" in kwargs:
+        problems.append(
+            f"`llm.engine_kwargs.gpu_memory_utilization` ({kwargs['gpu_memory_utilization']}) with `llm.device: cpu`: "
+            "vLLM's CPU backend has no GPU memory and would take that share of the host's RAM for its KV cache; "
+            "remove it and size the cache with `kv_cache_memory_bytes` (e.g. 268435456)"
+        )
+    return problems
+
+
 BUILD_APP = "deployments.app:build_app"
+
+
+def _where(document, location: tuple) -> str:
+    """A Serve config location as the YAML reads it: `applications[0] (epd).deployments[2]
+    (LLMReplica).num_replica`, each list entry with its `name` where it has one."""
+    parts, value = [], document
+    for part in location:
+        value = value[part] if isinstance(value, (dict, list)) and _has(value, part) else None
+        if isinstance(part, int):
+            named = f" ({value['name']})" if isinstance(value, dict) and isinstance(value.get("name"), str) else ""
+            parts[-1] = f"{parts[-1]}[{part}]{named}"
+        else:
+            parts.append(str(part))
+    return ".".join(parts) or "the file"
+
+
+def _in_document(document, location: tuple) -> tuple:
+    """The part of a pydantic error location that is in the document (without the union member tags
+    pydantic appends, e.g. `num_replicas.constrained-int`)."""
+    kept, value = [], document
+    for part in location:
+        if not (isinstance(value, (dict, list)) and _has(value, part)):
+            break
+        kept.append(part)
+        value = value[part]
+    return tuple(kept)
+
+
+def _has(value, part) -> bool:
+    return part in value if isinstance(value, dict) else isinstance(part, int) and 0 <= part < len(value)
+
+
+def _models_of(annotation) -> list[type[BaseModel]]:
+    """The pydantic models a field's annotation admits (in unions and lists too)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for argument in getattr(annotation, "__args__", ()) for model in _models_of(argument)]
+
+
+def unknown_keys(model: type[BaseModel], value, location: tuple = ()) -> list[tuple[tuple, list[str]]]:
+    """(location, the keys known there) of every key of `value` that `model` does not define, at
+    any depth: Serve's schemas accept and drop them, so a misspelt option is silently ignored."""
+    if isinstance(value, list):
+        return [found for index, item in enumerate(value) for found in unknown_keys(model, item, (*location, index))]
+    if not isinstance(value, dict):
+        return []
+    fields = {**{f.alias: f for f in model.model_fields.values() if f.alias}, **model.model_fields}
+    found = []
+    for key, item in value.items():
+        field = fields.get(key)
+        if field is None:
+            found.append(((*location, key), list(model.model_fields)))
+            continue
+        for nested in _models_of(field.annotation)[:1]:
+            found += unknown_keys(nested, item, (*location, key))
+    return found
+
+
+def serve_schema_problems(document) -> list[str]:
+    """What Serve's own schema refuses (types, missing keys) or silently drops (unknown keys)."""
+    from ray.serve.schema import ServeDeploySchema
+
+    problems = []
+    try:
+        ServeDeploySchema.model_validate(document)
+    except ValidationError as error:
+        found: dict[str, list[str]] = {}  # a union's alternatives fail at the same key: one line for them
+        for e in error.errors():
+            value = e.get("input")
+            shown = "" if isinstance(value, (dict, list)) else f" (got {value!r})"
+            found.setdefault(f"`{_where(document, _in_document(document, e['loc']))}`{shown}", []).append(e["msg"])
+        problems += [f"{where}: {' or '.join(dict.fromkeys(messages))}" for where, messages in found.items()]
+    for location, known in unknown_keys(ServeDeploySchema, document):
+        key = str(location[-1])
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean `{close[0]}`?" if close else f"known keys: {', '.join(known)}"
+        problems.append(f"unknown key `{_where(document, location)}` (Serve would ignore it): {hint}")
+    return problems
+
+
+def deployment_name_problems(app: dict, config: AppConfig) -> list[str]:
+    """Entries of the application's `deployments:` that name no deployment it builds."""
+    names = deployment_names(config)
+    problems = []
+    for index, entry in enumerate(app.get("deployments") or []):
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if isinstance(name, str) and name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "remove it"
+            problems.append(
+                f"`deployments[{index}].name` {name!r} is not a deployment of this application (it builds "
+                f"{', '.join(names)}); {hint}"
+            )
+    return problems
+
+
+def check_file(path: str) -> list[str]:
+    """What Serve or the build would refuse in a Serve config file, one line each: Serve's schema
+    and the keys it would ignore, then each application's `args` (the build's own checks, but for
+    the GPUs, which it asks the running cluster for), budget ladder, deployment names and vLLM
+    engine arguments."""
+    from encoder_graphs.budgets import BudgetConfigError
+
+    try:
+        document = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as error:
+        return [f"{path}: {error}"]
+    if not isinstance(document, dict):
+        return [f"{path}: not a Serve config (a mapping with `applications:`)"]
+    problems = [f"{path}: {problem}" for problem in serve_schema_problems(document)]
+    applications = [a for a in document.get("applications") or [] if isinstance(a, dict)]
+    apps = [a for a in applications if a.get("import_path") == BUILD_APP]
+    if not apps:
+        return problems + [f"{path}: no application with import_path {BUILD_APP}"]
+    for app in apps:
+        name = app.get("name", "default")
+        try:
+            config = validate(app.get("args") or {}, devices=False)
+            deployment_ladder(config)
+        except (ConfigError, BudgetConfigError) as error:
+            problems.append(f"{path}: application {name!r}: {error}")
+            continue
+        problems += [f"{path}: application {name!r}: {p}" for p in deployment_name_problems(app, config)]
+    return problems
 
 
 def serve_config_apps(path: str) -> list[tuple[str, dict]]:
@@ -120,30 +310,6 @@ def serve_config_apps(path: str) -> list[tuple[str, dict]]:
         for app in applications
         if isinstance(app, dict) and app.get("import_path") == BUILD_APP
     ]
-
-
-def check_file(path: str) -> list[str]:
-    """What the build would refuse in a Serve config file's applications, one line each: the
-    build's own checks (`validate`, the budget ladder), but for the GPUs, which it asks the
-    running cluster for."""
-    from encoder_graphs.budgets import BudgetConfigError
-
-    try:
-        apps = serve_config_apps(path)
-    except (OSError, yaml.YAMLError) as error:
-        return [f"{path}: {error}"]
-    if not apps:
-        return [f"{path}: no application with import_path {BUILD_APP}"]
-    names = [name for name, _ in apps]
-    problems = [
-        f"{path}: application name {n!r} is used twice" for n in sorted({n for n in names if names.count(n) > 1})
-    ]
-    for name, args in apps:
-        try:
-            deployment_ladder(validate(args, devices=False))
-        except (ConfigError, BudgetConfigError) as error:
-            problems.append(f"{path}: application {name!r}: {error}")
-    return problems
 
 
 if __name__ == "__main__":  # python -m deployments.validation configs/my.yaml ...

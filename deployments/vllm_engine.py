@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -32,9 +33,12 @@ from models.protocol import ItemOutput
 from .config import AppConfig, LLMSettings
 from .errors import RequestError
 from .llm import fetch_embeddings
+from .process import before_constructor
 from .wire import GenerateRequest, GenerateResult, resolve_dtype
 
 logger = logging.getLogger("ray.serve")
+IMPORTED = time.monotonic()
+"""The end of this module's imports, for the replica's ready line."""
 
 DEFAULT_FRAMES_PER_SECOND = 2.0
 """Frame rate assumed for a video whose request gives no `frame_seconds` (the Qwen processors' default)."""
@@ -155,11 +159,15 @@ def engine_args(settings: LLMSettings, max_items_per_request: int):
 
 class VLLMReplica:
     def __init__(self, config: AppConfig):
+        start = time.perf_counter()
+        before = before_constructor(IMPORTED)
         from vllm import AsyncLLMEngine
 
         settings = config.llm
+        imported_s = time.perf_counter() - start
         logger.info("starting vLLM on %s (pid %d)", settings.path, os.getpid())
         self.engine = AsyncLLMEngine.from_engine_args(engine_args(settings, config.limits.max_items_per_request))
+        engine_s = time.perf_counter() - start - imported_s
         hf_config = self.engine.model_config.hf_config
         self.model_type = hf_config.model_type
         vision = hf_config.vision_config
@@ -171,6 +179,18 @@ class VLLMReplica:
         self.handoff_totals = {"images": 0, "bytes": 0, "ms": 0.0}
         self.aborted = 0
         self._ids = itertools.count()
+        logger.info(
+            "vLLM replica ready in %.1f s (%s on %s: importing vLLM %.1f s, its engine %.1f s; before it: imports "
+            "%.1f s, Serve's setup %.1f s, %.1f s since its worker process started)",
+            time.perf_counter() - start,
+            settings.model_id,
+            settings.device,
+            imported_s,
+            engine_s,
+            before.imports_s,
+            before.setup_s,
+            before.process_s,
+        )
 
     def _prompt(self, request: GenerateRequest, items: list[ItemOutput]) -> dict:
         text = self.tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)

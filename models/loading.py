@@ -108,21 +108,49 @@ def vlm_config(preset: str | Preset, family: str | None = None):
     return family_class(found.family).vlm_config(found)
 
 
+CONFIG_PATTERNS = ["*.json", "*.txt", "*.jinja"]
+"""What a hub checkpoint's configs, tokenizer, processors and safetensors index are made of."""
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
 def resolve_checkpoint_dir(path_or_id: str) -> Path:
-    """A local directory as is; anything else is a hub id, downloaded (configs and safetensors only)."""
+    """A local directory as is; anything else is a hub id, of which only the configs (and the
+    safetensors index) are downloaded here: `fetch_vision_weights` brings the tower's weights."""
     local = Path(path_or_id).expanduser()
     if local.is_dir():
         return local
     if local.exists() or path_or_id.startswith((".", "/", "~")):
         raise CheckpointError(f"checkpoint path {path_or_id!r} is not a directory")
+    return _download(path_or_id, CONFIG_PATTERNS)
+
+
+def _download(hub_id: str, patterns: list[str]) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja"]))
+        return Path(snapshot_download(hub_id, allow_patterns=patterns))
     except Exception as exc:  # the hub client raises many types; all mean "not available"
-        raise CheckpointError(
-            f"{path_or_id!r} is neither a local directory nor a downloadable hub model: {exc}"
-        ) from exc
+        raise CheckpointError(f"{hub_id!r} is neither a local directory nor a downloadable hub model: {exc}") from exc
+
+
+def vision_shards(index: dict, prefixes: dict[str, str] | None) -> list[str]:
+    """The safetensors files of a sharded checkpoint (its `model.safetensors.index.json`) that hold a
+    key under `prefixes` (the family's vision prefixes; None: a vision-only checkpoint, every file)."""
+    weight_map = index.get("weight_map") or {}
+    if prefixes is None:
+        return sorted(set(weight_map.values()))
+    return sorted({file for key, file in weight_map.items() if key.startswith(tuple(prefixes))})
+
+
+def fetch_vision_weights(path_or_id: str, directory: Path, prefixes: dict[str, str] | None) -> None:
+    """Download a hub checkpoint's weights that the tower needs: for a sharded full VLM only the
+    shards holding vision keys (an 8B VLM's tower lies in one or two of its shards), otherwise its
+    safetensors files. A local directory has them already."""
+    if Path(path_or_id).expanduser().is_dir():
+        return
+    index_file = directory / SAFETENSORS_INDEX
+    shards = vision_shards(json.loads(index_file.read_text()), prefixes) if index_file.is_file() else []
+    _download(path_or_id, shards or ["*.safetensors"])
 
 
 def _read_config(directory: Path) -> dict:
@@ -211,8 +239,10 @@ def from_checkpoint(
         raise CheckpointError(f"checkpoint {directory} is a {found_family} model, but family {family!r} was requested")
     cls = FAMILIES[found_family]
     tower_config = cls.checkpoint_tower_config(config, full_vlm)
+    prefixes = cls.checkpoint_prefixes if full_vlm else None
+    fetch_vision_weights(path_or_id, directory, prefixes)
     tower = cls.build_tower(tower_config, dtype, device)
-    state = read_vision_state_dict(directory, cls.checkpoint_prefixes if full_vlm else None)
+    state = read_vision_state_dict(directory, prefixes)
     missing, unexpected = _key_mismatch(tower, state)
     if missing or unexpected:
         raise CheckpointError(

@@ -86,7 +86,7 @@ class ServeHarness:
         url = self.base_url + (schema.route_prefix.rstrip("/") if schema.route_prefix != "/" else "")
         if wait:
             self.wait_running(schema.name, self.deploy_timeout_s)
-            self.wait_healthy(url)
+            self.wait_healthy(url, self.deploy_timeout_s)
         return url
 
     def wait_healthy(self, url: str, timeout_s: float = 30) -> None:

@@ -159,7 +159,7 @@ def test_a_config_file_is_checked_as_its_build_would_check_it(tmp_path):
     app = {"import_path": "deployments.app:build_app", "args": {"graphs": {"max_budget_tokens": 1}}}
     ladder.write_text(yaml.safe_dump({"applications": [app, app]}))
     problems = check_file(str(ladder))
-    assert "application name 'default' is used twice" in problems[0]
+    assert 'multiple configs for application "default"' in problems[0]  # Serve's own schema says so
     assert len(problems) == 3 and "max_budget_tokens=1" in problems[1]
     broken = tmp_path / "broken.yaml"
     broken.write_text("applications: [unclosed\n")

@@ -1,0 +1,23 @@
+"""The application's deployments: each one's class (by import path) and the name Serve gives it.
+
+The YAML's `deployments:` entries refer to these names; the app builder and the config validator
+both read them here (this module imports nothing heavy: the validator must stay quick).
+"""
+
+from __future__ import annotations
+
+ROUTER = "deployments.router.EncoderRouter"
+ENCODER = "deployments.encoder.EncoderReplica"
+LLM_ENGINES = {"transformers": "deployments.llm.LLMReplica", "vllm": "deployments.vllm_engine.VLLMReplica"}
+"""The LLM deployment's class per `llm.engine`."""
+
+
+def name_of(import_path: str) -> str:
+    """A deployment's name: its class's (`module.Class` -> `Class`)."""
+    return import_path.rpartition(".")[2]
+
+
+def deployment_names(config) -> list[str]:
+    """The names of the deployments an `AppConfig` builds: router, encoder, and the LLM's if set."""
+    paths = [ROUTER, ENCODER] + ([] if config.llm is None else [LLM_ENGINES[config.llm.engine]])
+    return [name_of(path) for path in paths]
