@@ -72,9 +72,7 @@ from benchmarks.common.service import (  # noqa: E402
 )
 from benchmarks.common.service_counters import counted_between  # noqa: E402
 from benchmarks.common.stats import summarize  # noqa: E402
-
-# decoded_items and photo: imported from here by vllm_encoder_bench
-from benchmarks.common.workload import decoded_items, http_body, photo, single_images, workload  # noqa: E402, F401
+from benchmarks.common.workload import decoded_items, http_body, single_images, workload  # noqa: E402
 
 
 def measure(

@@ -61,9 +61,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.e2e_bench import decoded_items, photo, workload  # noqa: E402
-from benchmarks.encoder_bench import measure_peak_tflops, useful_flops  # noqa: E402
-from benchmarks.environment import environment  # noqa: E402
+from benchmarks.common.environment import environment  # noqa: E402
+from benchmarks.common.flops import measure_peak_tflops, useful_flops  # noqa: E402
+from benchmarks.common.workload import decoded_items, photo, workload  # noqa: E402
 from models.tiny_checkpoint import RECORD_FILE  # noqa: E402
 
 AGREEMENT_ITEMS = 16

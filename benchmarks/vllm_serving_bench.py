@@ -439,7 +439,7 @@ def stop_system(process) -> None:
 
 
 def measure(system: str, args, out: Path) -> None:
-    from benchmarks.environment import environment
+    from benchmarks.common.environment import environment
 
     def log(line: str) -> None:
         print(line, flush=True)
