@@ -103,6 +103,8 @@ class EncoderRouter:
         self._detail: tuple[float, dict] | None = None
         self._detail_task: asyncio.Future | None = None
         self._stop_gauges = refresh_gauges(self.service.set_gauges)
+        # the constructor runs on the replica's event loop, where the cache lives
+        self._forget_departed = asyncio.get_running_loop().create_task(self.service.queue.forget_departed_forever())
         api.state.router = self  # the serving app's handlers reach the router through this
         set_proxy_access_log(config.router.log_requests)
         logger.info(
@@ -121,6 +123,8 @@ class EncoderRouter:
 
     def _close(self) -> None:
         """Stop what the constructor started, as far as it got."""
+        if (task := getattr(self, "_forget_departed", None)) is not None:
+            task.cancel()
         if (fleet := getattr(self, "fleet", None)) is not None:
             fleet.stop()
         if (service := getattr(self, "service", None)) is not None:
