@@ -74,7 +74,7 @@ def shutdown_budget_s() -> float:
     return max(0.0, timeout_s - loop_s - MARGIN_S)
 
 
-async def drain(results: StoredResults, budget_s: float) -> int:
+async def wait_until_read(results: StoredResults, budget_s: float) -> int:
     """Wait until none of `results` is referenced, at most `budget_s`; the number still held then
     (their readers get a 503 and send again). Logged either way."""
     start = time.monotonic()

@@ -30,7 +30,7 @@ from models import from_checkpoint, from_preset
 from models.protocol import ItemOutput
 
 from .config import AppConfig
-from .drain import StoredResults, drain, shutdown_budget_s
+from .drain import StoredResults, shutdown_budget_s, wait_until_read
 from .metrics import EncoderMetrics, refresh_gauges
 from .process import before_constructor
 from .replica_counters import ReplicaCounters
@@ -402,4 +402,4 @@ class EncoderReplica:
             stop.set()
         stored = getattr(self, "stored", None)
         if stored is not None:
-            await drain(stored, shutdown_budget_s())
+            await wait_until_read(stored, shutdown_budget_s())
