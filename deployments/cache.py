@@ -81,6 +81,10 @@ class EmbeddingCache:
         if key in self._entries:
             self._drop(key)
 
+    def replicas(self) -> set[str]:
+        """The replicas whose results the entries hold."""
+        return {value.replica for value in self._entries.values()}
+
     def forget_replica(self, replica: str) -> None:
         for key in [k for k, v in self._entries.items() if v.replica == replica]:
             self._drop(key)

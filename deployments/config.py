@@ -96,6 +96,28 @@ class ModelSettings(_Strict):
         return self.preset if self.preset in PRESETS else f"{self.family}-{self.preset}"
 
 
+class ReplicaSettings(_Strict):
+    """When an encoder replica takes traffic, as it starts (Serve's options of the deployment, such as
+    `graceful_shutdown_timeout_s`, which bounds how long a stopping replica waits for its results to
+    be read, are in the YAML's `deployments:` section)."""
+
+    warm_up_before_ready: Literal["cached", "always", "never"] = Field(
+        "cached",
+        description="Whether a replica finishes its warm-up (compile, graphs) before Serve routes to it. cached: "
+        "where its compile cache already holds this deployment's compiled artifacts (without `graphs.compile`: a "
+        "warm-up record), so the warm-up is seconds and does not compete with serving; a cold replica serves "
+        "eagerly while it warms up. always: every replica (a cold one then takes the whole compile before it "
+        "serves). never: serve eagerly at once, warm up in the background.",
+    )
+    warm_up_wait_s: float = Field(
+        120.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Longest a replica waits for its warm-up before it takes traffic anyway (the warm-up goes on "
+        "in the background).",
+    )
+
+
 class RouterSettings(_Strict):
     """How the router packs requests and protects itself."""
 
@@ -277,6 +299,9 @@ class AppConfig(_Strict):
     model: ModelSettings = Field(default_factory=ModelSettings, description="The vision tower.")
     graphs: GraphConfig = Field(
         default_factory=GraphConfig, description="Token budgets, CUDA graphs, compilation and warm-up."
+    )
+    replica: ReplicaSettings = Field(
+        default_factory=ReplicaSettings, description="When an encoder replica takes traffic, as it starts."
     )
     router: RouterSettings = Field(default_factory=RouterSettings, description="Packing and backpressure.")
     limits: Limits = Field(default_factory=Limits, description="Input limits.")

@@ -26,7 +26,7 @@ from .errors import Overloaded, RequestError, overloaded
 from .fleet import EncoderFleet
 from .media import DecodedItem
 from .metrics import RouterMetrics
-from .routing import replica_slots
+from .routing import replica_slots, routed_replicas
 from .scheduler import PackScheduler, QueuedItem, packs_in_flight
 from .wire import PackRequest, item_from_wire
 
@@ -64,6 +64,10 @@ def _done(value) -> asyncio.Future:
 
 LIVENESS_CHECK_S = 2.0
 """How often a replica whose cached results a handle or LLM request would use is checked for death."""
+
+
+DEPARTED_CHECK_S = 1.0
+"""How often the router drops the cache entries of replicas it no longer routes to (`forget_departed`)."""
 
 
 def replica_dead(actor_id: str) -> bool:
@@ -199,6 +203,29 @@ class EncodeQueue:
                 logger.warning("encoder replica %s died: dropping its cached results", replica)
                 self.cache.forget_replica(replica)
                 self._liveness_checked.pop(replica, None)
+
+    def forget_departed(self) -> int:
+        """Drop the cache entries of replicas no longer routed to; how many replicas' entries went. A
+        stopping replica waits until nobody references its results (`drain.py`): this cache's
+        references would keep it waiting for its whole shutdown budget."""
+        routed = routed_replicas()
+        if routed is None:  # no request router yet: nothing known
+            return 0
+        departed = self.cache.replicas() - routed
+        for replica in departed:
+            self.cache.forget_replica(replica)
+        if departed:
+            self.metrics.cache_bytes.set(self.cache.bytes)
+        return len(departed)
+
+    async def forget_departed_forever(self, period_s: float = DEPARTED_CHECK_S) -> None:
+        """`forget_departed` every `period_s`, on the router's event loop (where the cache lives)."""
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                self.forget_departed()
+            except Exception:  # the cache must never stop the router
+                logger.exception("dropping departed replicas' cache entries failed")
 
     def _remember(self, key: bytes, future: asyncio.Future) -> None:
         if not future.cancelled() and future.exception() is None:

@@ -6,7 +6,8 @@ the model's processor, runs it through the graph runner, and returns per-item CP
 Packs run one forward at a time (the GPU is the bottleneck); packs that wait meanwhile (from
 every router) are merged into the next forward where they fit its largest budget, so packing
 does not stop at a router's edge. Waiting packs count as queued tokens, which the routers and
-the autoscaler read.
+the autoscaler read. A replica that Serve stops waits until the results it stored have been read
+(`drain.py`) before it exits.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from encoder_graphs.runner import EncoderRunner
 from models import from_checkpoint, from_preset
 from models.protocol import ItemOutput
 
-from .autoscaling import ROUTER_REPORT_S, router_waiting_metrics
 from .config import AppConfig
+from .drain import StoredResults, shutdown_budget_s, wait_until_read
 from .metrics import EncoderMetrics, refresh_gauges
 from .process import before_constructor
+from .replica_counters import ReplicaCounters
+from .replica_startup import WarmupTimeline, cache_filled, waits_for_warm_up, warm_up_line
 from .wire import PackRequest, PackResult, item_to_wire, resolve_dtype
 
 logger = logging.getLogger("ray.serve")
@@ -101,80 +104,81 @@ class EncoderReplica:
         self.model_id = config.model.model_id  # the served name: `encoder.name` is a checkpoint's path
         self.loaded_s = time.perf_counter() - start
         logger.info("loaded %s on %s in %.1f s", self.encoder.name, self.encoder.device, self.loaded_s)
-        # ---- warm-up: ready after `prepare` (packs run eagerly), graphs go live in the background
+        # ---- warm-up: after `prepare` packs run eagerly; graphs go live in the background, which a
+        # replica on a filled compile cache waits for before it takes traffic (`replica_startup.py`)
         self.runner = EncoderRunner(self.encoder, config.graphs, ladder)
         self.runner.prepare(progress=logger.info)
         self._stop_warmup = threading.Event()
-        self._warmup = threading.Thread(
-            target=self.runner.warm_up, args=(logger.info, self._stop_warmup), name="graph-warm-up", daemon=True
-        )
+        waits = waits_for_warm_up(config.replica.warm_up_before_ready, cache_filled(self.runner))
+        self._warmup = threading.Thread(target=self._warm_up, args=(waits,), name="graph-warm-up", daemon=True)
         self._warmup.start()
+        if waits:
+            self._warmup.join(config.replica.warm_up_wait_s)
         # ---- end warm-up
         self.ladder = ladder
         self._waiting: list[Waiting] = []
         self._drain: asyncio.Task | None = None
         self._storing: set[asyncio.Task] = set()
-        self.forwards = 0
-        self.merged_packs = 0
-        self.merged_requests = 0
-        self.tokens = 0
-        """Vision tokens of the packs run (failed ones too)."""
-        self.seconds = {"preprocess": 0.0, "run": 0.0, "store": 0.0, "between": 0.0}
-        """Cumulative wall seconds of each step of a forward (the device is busy at most in "run";
-        "between": from a forward's end to the next one's start while packs waited: the trip back
-        through the event loop, and any wait for the device lock a warm-up step holds)."""
+        self.counters = ReplicaCounters()
+        self.stored = StoredResults()
+        """What this replica's object store holds for callers: a stopping replica waits for it."""
         self._ended_with_work: float | None = None
         """When the last forward ended, if packs were waiting then."""
-        self._counter_lock = threading.Lock()
         self.metrics = EncoderMetrics()
-        self._queued_tokens = 0
-        self._inflight_tokens = 0
-        self._routers_waiting: dict[str, tuple[int, int, float]] = {}
-        """Per router, the tokens it had not placed as its last pack here said, that figure's
-        sequence number at the router, and when the pack arrived (our monotonic clock)."""
         self._stop_gauges = refresh_gauges(self._set_gauges)
         self.actor_id = ray.get_runtime_context().get_actor_id()
         self.ready_s = time.perf_counter() - start
-        status = self.runner.warmup_status()
-        if self.runner.use_graphs:
-            then = (
-                f"packs run eagerly while {status.graphs_total} graphs warm up in the background; "
-                "the log says when it is at full speed"
-            )
-        else:  # nothing to capture on this device: the table's budgets still shape the packs
-            then = f"packs run eagerly ({self.encoder.device.type}: no CUDA graphs)"
+        then = self._ready_then(waits, config.replica.warm_up_wait_s)
         logger.info(
             "encoder replica ready in %.1f s (weights %.1f s, prepare %.1f s; before it: imports %.1f s, Serve's "
             "setup %.1f s, %.1f s since its worker process started): %s",
             self.ready_s,
             self.loaded_s,
-            status.stage_seconds.get("prepare", 0.0),
+            self.runner.warmup_status().stage_seconds.get("prepare", 0.0),
             self.before.imports_s,
             self.before.setup_s,
             self.before.process_s,
             then,
         )
 
+    def _warm_up(self, waited: bool) -> None:
+        """The warm-up (in its thread), then one line of where its seconds went."""
+        timeline = WarmupTimeline(logger.info)
+        try:
+            self.runner.warm_up(timeline, self._stop_warmup)
+        finally:
+            logger.info(warm_up_line(self.runner.warmup_status(), timeline, waited))
+
+    def _ready_then(self, waited: bool, wait_s: float) -> str:
+        """What the ready line says comes next."""
+        status = self.runner.warmup_status()
+        if status.full_speed:
+            return f"at full speed ({status.graphs_live}/{status.graphs_total} graphs live)"
+        if waited:
+            return f"warm-up not done within replica.warm_up_wait_s={wait_s:g}: packs run eagerly while it goes on"
+        if self.runner.use_graphs:
+            return (
+                f"packs run eagerly while {status.graphs_total} graphs warm up in the background; "
+                "the log says when it is at full speed"
+            )
+        # nothing to capture on this device: the table's budgets still shape the packs
+        return f"packs run eagerly ({self.encoder.device.type}: no CUDA graphs)"
+
     def _set_gauges(self) -> None:
         status = self.runner.warmup_status()
-        self.metrics.queued_tokens.set(self._queued_tokens)
+        self.metrics.queued_tokens.set(self.counters.queued_tokens)
         self.metrics.graphs_live.set(status.graphs_live)
         self.metrics.full_speed.set(1 if status.full_speed else 0)
 
     async def encode_pack(self, pack: PackRequest) -> PackResult:
-        self._count(queued=pack.tokens)
+        self.counters.count(queued=pack.tokens)
         if pack.router:
-            self._routers_waiting[pack.router] = (pack.router_waiting_tokens, pack.router_report, time.monotonic())
+            self.counters.router_said(pack.router, pack.router_waiting_tokens, pack.router_report)
         waiting = Waiting(pack, time.perf_counter(), asyncio.get_running_loop().create_future())
         self._waiting.append(waiting)
         if self._drain is None or self._drain.done():
             self._drain = asyncio.get_running_loop().create_task(self._run_waiting())
         return await waiting.future  # a caller that gives up cancels it: its pack is dropped
-
-    def _count(self, queued: int = 0, inflight: int = 0) -> None:
-        with self._counter_lock:
-            self._queued_tokens += queued
-            self._inflight_tokens += inflight
 
     async def _run_waiting(self) -> None:
         """Run the waiting packs, one forward at a time, the oldest first with those that fit beside
@@ -189,10 +193,8 @@ class EncoderReplica:
                     ran = await asyncio.to_thread(self._compute, batch)
                 except Exception as error:
                     ran = Ran([error] * len(batch), time.perf_counter(), 0.0, None)
-                self.forwards += 1
-                self.merged_packs += len(batch)
-                self.merged_requests += sum(waiting.pack.requests for waiting in batch)
-                self.tokens += sum(waiting.pack.tokens for waiting in batch)
+                packs = [waiting.pack for waiting in batch]
+                self.counters.ran(len(packs), sum(p.requests for p in packs), sum(p.tokens for p in packs))
                 store = asyncio.get_running_loop().create_task(self._deliver(batch, ran))
                 self._storing.add(store)
                 store.add_done_callback(self._storing.discard)
@@ -206,7 +208,7 @@ class EncoderReplica:
         live = []
         for waiting in self._waiting:
             if waiting.future.done():  # its caller gave up
-                self._count(queued=-waiting.pack.tokens)
+                self.counters.count(queued=-waiting.pack.tokens)
             else:
                 live.append(waiting)
         if not live:
@@ -230,8 +232,8 @@ class EncoderReplica:
         with self.runner.device_lock:
             started = time.perf_counter()
             if self._ended_with_work is not None:
-                self._add_seconds("between", started - self._ended_with_work)
-            self._count(queued=-tokens, inflight=tokens)
+                self.counters.add_seconds("between", started - self._ended_with_work)
+            self.counters.count(queued=-tokens, inflight=tokens)
             try:
                 outputs = self._forward(packs)
                 per_pack, offset = [], 0
@@ -243,7 +245,7 @@ class EncoderReplica:
                 # merged: each pack runs alone, so a failure stays its own
                 per_pack = [error] if len(packs) == 1 else [self._alone(pack) for pack in packs]
             finally:
-                self._count(inflight=-tokens)
+                self.counters.count(inflight=-tokens)
             failed = all(isinstance(outputs, Exception) for outputs in per_pack)
             ended = time.perf_counter()
             self._ended_with_work = ended if self._waiting else None
@@ -279,9 +281,11 @@ class EncoderReplica:
                 results.append(outputs)
                 continue
             try:
+                refs = [ray.put(item_to_wire(out)) for out in outputs]
+                self.stored.add(refs)
                 results.append(
                     PackResult(
-                        [ray.put(item_to_wire(out)) for out in outputs],
+                        refs,
                         [out.nbytes for out in outputs],
                         self.actor_id,
                         queue_s=ran.started - waiting.arrived,
@@ -291,7 +295,7 @@ class EncoderReplica:
                 )
             except Exception as error:
                 results.append(error)
-        self._add_seconds("store", time.perf_counter() - started)
+        self.counters.add_seconds("store", time.perf_counter() - started)
         try:
             self._observe([w.pack for w in batch], results, ran.report)
         except Exception:  # metrics must never fail a pack
@@ -304,7 +308,7 @@ class EncoderReplica:
         tokens = sum(pack.tokens for pack, r in zip(packs, results) if isinstance(r, PackResult))
         if tokens:
             metrics.vision_tokens.inc(tokens)
-        metrics.queued_tokens.set(self._queued_tokens)
+        metrics.queued_tokens.set(self.counters.queued_tokens)
         for result in done:
             metrics.queue_seconds.observe(result.queue_s)
         if not done or report is None:
@@ -337,42 +341,19 @@ class EncoderReplica:
             raise ValueError(f"the pack's pixels make {pixel_values.shape[0]} patches, its specs say {expected}")
         pixel_values = pixel_values.to(self.encoder.dtype)
         prepared = time.perf_counter()
-        self._add_seconds("preprocess", prepared - started)
+        self.counters.add_seconds("preprocess", prepared - started)
         # One device-to-host copy for the whole forward; items are views of it.
         outputs = self.runner.run(pixel_values, specs, output_device="cpu")
-        self._add_seconds("run", time.perf_counter() - prepared)
+        self.counters.add_seconds("run", time.perf_counter() - prepared)
         return outputs
-
-    def _add_seconds(self, step: str, seconds: float) -> None:
-        with self._counter_lock:
-            self.seconds[step] += seconds
 
     def record_routing_stats(self) -> dict:
         return {
-            "queued_tokens": self._queued_tokens + self._inflight_tokens,
+            "queued_tokens": self.counters.load_tokens,
             "live_budgets": list(self.runner.live_budgets()),  # budgets whose packs replay a live graph
             "warmup": self._warmup_summary(),  # for the routers' `/v1/models`, one entry per replica
-            "work": self._work_summary(),  # likewise: what each replica did, for rates between two reports
-        }
-
-    def _work_summary(self) -> dict:
-        """Cumulative counters, stamped with this host's clock: the difference of two reports is
-        one replica's forwards, tokens and busy seconds over the time between them."""
-        with self._counter_lock:
-            seconds = {step: round(value, 6) for step, value in self.seconds.items()}
-        # within "run": what a new replica's forwards spend on top of serving until they have seen
-        # their traffic (each graph's checked first pack, recurring packs' graphs captured)
-        stats = self.runner.stats
-        seconds["first_pack_checks"] = round(stats.first_pack_check_s, 6)
-        seconds["recurring_captures"] = round(stats.recurring_capture_s, 6)
-        return {
-            "pid": os.getpid(),
-            "at": round(time.time(), 3),
-            "forwards": self.forwards,
-            "merged_packs": self.merged_packs,
-            "merged_requests": self.merged_requests,
-            "tokens": self.tokens,
-            "step_seconds": seconds,
+            # likewise: what each replica did, for rates between two reports
+            "work": self.counters.work_summary(self.runner.stats),
         }
 
     def _before_summary(self) -> dict:
@@ -389,17 +370,8 @@ class EncoderReplica:
         }
 
     def record_autoscaling_stats(self) -> dict:
-        """This replica's tokens, and each router's held-back tokens as the router's last pack
-        here said (`router_waiting_metrics`; the policy counts each router once)."""
-        now = time.monotonic()
-        for router, (_, _, arrived) in list(self._routers_waiting.items()):
-            if now - arrived > ROUTER_REPORT_S:
-                del self._routers_waiting[router]
-        return {
-            "queued_tokens": float(self._queued_tokens),
-            "inflight_tokens": float(self._inflight_tokens),
-            **router_waiting_metrics({r: (tokens, seq) for r, (tokens, seq, _) in self._routers_waiting.items()}),
-        }
+        """This replica's tokens and the routers' held-back ones (`ReplicaCounters.autoscaling_stats`)."""
+        return self.counters.autoscaling_stats()
 
     def describe(self) -> dict:
         return {
@@ -409,13 +381,11 @@ class EncoderReplica:
             "dtype": str(self.encoder.dtype).removeprefix("torch."),
             "ready_s": round(self.ready_s, 2),
             "before_constructor": self._before_summary(),  # imports, Serve's setup, the worker's age
-            "queued_tokens": self._queued_tokens,
-            "inflight_tokens": self._inflight_tokens,
-            **self._work_summary(),  # pid, forwards, merged packs and requests, tokens, step seconds
-            "packs_per_forward": round(self.merged_packs / self.forwards, 3) if self.forwards else 0.0,
-            # packs from different routers hold different requests: what packing across callers achieves
-            # (an upper bound where one request's items went in two packs of one forward)
-            "requests_per_forward": round(self.merged_requests / self.forwards, 3) if self.forwards else 0.0,
+            "queued_tokens": self.counters.queued_tokens,
+            "inflight_tokens": self.counters.inflight_tokens,
+            # pid, forwards, merged packs and requests, tokens, step seconds
+            **self.counters.work_summary(self.runner.stats),
+            **self.counters.per_forward(),  # packs and requests per forward
             **self.runner.describe(),
         }
 
@@ -424,7 +394,12 @@ class EncoderReplica:
             with self.runner.device_lock:  # never a device-wide sync during a warm-up capture
                 torch.cuda.synchronize(self.encoder.device)  # surfaces a sticky CUDA error; Serve restarts us
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Serve stopping the replica (after its ongoing packs, with new ones refused): the warm-up
+        stops between steps, and the replica waits for the results it stored to be read (`drain.py`)."""
         stop = getattr(self, "_stop_warmup", None)
-        if stop is not None:  # Serve shutting the replica down: the warm-up stops between steps
+        if stop is not None:
             stop.set()
+        stored = getattr(self, "stored", None)
+        if stored is not None:
+            await wait_until_read(stored, shutdown_budget_s())

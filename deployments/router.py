@@ -12,6 +12,7 @@ so that both processes import those libraries at the same time.
 """
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
@@ -113,6 +114,8 @@ class EncoderRouter:
             serve.get_replica_context().app_name, llm=None if llm is None else llm.deployment_name
         )
         self.fleet.start(FIRST_READING_S)  # later readings come in the background
+        self._loop = asyncio.get_running_loop()  # the replica's event loop, where the embedding cache lives
+        self._forget_departed: concurrent.futures.Future | None = None
         api.state.router = self  # the serving app's handlers reach the router through this
         threading.Thread(target=self._set_up, args=(ladder,), name="router-setup", daemon=True).start()
 
@@ -135,6 +138,9 @@ class EncoderRouter:
                 raise
             self.service = service
             self._stop_gauges = refresh_gauges(service.set_gauges)
+            self._forget_departed = asyncio.run_coroutine_threadsafe(
+                service.queue.forget_departed_forever(), self._loop
+            )
             set_proxy_access_log(self.config.router.log_requests)
         except Exception as error:
             self.setup_error = f"the router failed to start: {type(error).__name__}: {error}"
@@ -189,6 +195,8 @@ class EncoderRouter:
 
     def _close(self) -> None:
         """Stop what the constructor and the setup started, as far as they got."""
+        if (task := getattr(self, "_forget_departed", None)) is not None:
+            task.cancel()
         if (fleet := getattr(self, "fleet", None)) is not None:
             fleet.stop()
         if (service := getattr(self, "service", None)) is not None:

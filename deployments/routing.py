@@ -51,6 +51,15 @@ def replica_slots() -> int | None:
     return sum(replicas.values()) if replicas else None
 
 
+def routed_replicas() -> set[str] | None:
+    """The actor ids of the encoder replicas this process's routers send to now (a stopping replica
+    leaves this set before Serve stops it); None before a router exists."""
+    routers = list(_ROUTERS)
+    if not routers:
+        return None
+    return {replica.actor_id.hex() for router in routers for replica in list(router.curr_replicas.values())}
+
+
 class FewestQueuedTokensRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, **kwargs) -> None:
         self._sent_tokens: dict[ReplicaID, int] = defaultdict(int)
