@@ -179,3 +179,55 @@ def forget(cache: CompileCache, fingerprint: str) -> None:
 def graph_times(entries: Mapping[GraphKey, object]) -> dict[GraphKey, float | None]:
     """Each entry's replay ms, None where it is not live (for a record)."""
     return {key: (entry.replay_ms if entry.live else None) for key, entry in entries.items()}
+
+
+class RecordKeeper:
+    """One runner's warm-up record: loaded at the start of a warm-up where it may be used, saved at
+    the end of one that made every check itself, removed when a graph captured on it fails its
+    first real pack. `cache` None: no record (no compile cache, or graphs are not checked)."""
+
+    def __init__(self, cache: CompileCache | None, settings: Mapping[str, object], reuse: bool):
+        """`settings`: what else a record's checks depend on (`fingerprint`); `reuse` False: no
+        record is used or written (`reuse_checks`)."""
+        self.cache, self.settings, self.reuse = cache, dict(settings), reuse
+        self.record: WarmupRecord | None = None
+        """The record this warm-up captures on, if one is used."""
+
+    def _fingerprint(self) -> str | None:
+        """What a record must have been made with, besides the compile cache key (model, layouts,
+        environment): our code and `settings`."""
+        return fingerprint(self.settings)
+
+    def load(self, keys: Iterable[GraphKey]) -> WarmupRecord | None:
+        """The record for these graphs, if one may be used and is there (then kept as `record`)."""
+        self.record = None
+        if not (self.reuse and self.cache is not None):
+            return None
+        found = self._fingerprint()
+        self.record = None if found is None else load(self.cache, keys, found)
+        return self.record
+
+    def recorded_ms(self, key: GraphKey) -> float | None:
+        """The graph's replay ms from the record (None: no record, or it refused the graph then)."""
+        return None if self.record is None else self.record.graphs.get(key)
+
+    def save(
+        self, entries: Mapping[GraphKey, object], costs: Mapping[str, tuple[tuple[int, float], ...]], exact_rows
+    ) -> None:
+        """Record this warm-up's checks and timings for later starts (only where it made them all)."""
+        if self.record is not None or self.cache is None:
+            return
+        found = self._fingerprint() if self.reuse else None
+        if found is None:
+            return
+        saved = save(self.cache, WarmupRecord(graph_times(entries), dict(costs), exact_rows, found))
+        if saved is not None:
+            logger.info("saved the warm-up record %s", saved)
+
+    def graph_failed(self, key: GraphKey) -> None:
+        """A graph captured on the record failed its first-pack check: the record goes, and the
+        next start checks every graph again."""
+        record = self.record
+        if record is not None and record.graphs.get(key) is not None:
+            logger.warning("graph %s, captured on the warm-up record, failed its first pack: record removed", key)
+            forget(self.cache, record.fingerprint)

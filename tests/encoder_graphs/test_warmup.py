@@ -296,13 +296,13 @@ def pipelined_runner(encoder, capture: ReplayingCapture, config: GraphConfig = S
 
     runner.io.forward_into = forward_checked
     launched: list = []
-    launch = runner.warmup._launch
+    launch = runner.warmup.checks.launch
 
     def recorded(*args):
         launched.append(launch(*args))
         return launched[-1]
 
-    runner.warmup._launch = recorded
+    runner.warmup.checks.launch = recorded
     runner.device_lock = SettlingLock(launched)
     runner.prepare(progress=lambda message: None)
     runner.warm_up(progress=lambda message: None)
@@ -414,7 +414,7 @@ def test_a_record_is_used_only_for_its_own_code_and_settings_and_what_it_refused
 
     assert launched_after_writing(config) == 0
     with monkeypatch.context() as patched:
-        patched.setattr("encoder_graphs.warmup.fingerprint", lambda settings: "0123456789")
+        patched.setattr("encoder_graphs.warmup_record.fingerprint", lambda settings: "0123456789")
         assert launched_after_writing(config) == checked
     assert launched_after_writing(GraphConfig(**{**config.__dict__, "self_check_tolerance": 0.1})) == checked
     assert launched_after_writing(GraphConfig(**{**config.__dict__, "reuse_checks": False})) == checked
