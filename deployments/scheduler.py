@@ -143,7 +143,10 @@ class PackScheduler:
         final_error: Callable[[Exception, bool], Exception] = lambda error, retried: error,
         on_pack: Callable[[list[QueuedItem], int | None], None] | None = None,
         max_inflight_packs: Callable[[], int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
+        """`clock`: the clock `max_wait_s` is counted on, the one items' `enqueued_at` is read on
+        (`QueuedItem`'s default: time.monotonic); a test passes its event loop's virtual clock."""
         self.ladder = tuple(ladder)
         self.max_items = max_items
         self.max_segments = max_segments
@@ -156,6 +159,7 @@ class PackScheduler:
         self._final_error = final_error
         self._on_pack = on_pack
         self._max_inflight = max_inflight_packs
+        self._clock = clock
         self._queue: list[QueuedItem] = []
         self._wake = asyncio.Event()
         self._inflight_tokens = 0
@@ -214,7 +218,7 @@ class PackScheduler:
             return None
         by_key = {id(item): item for item in live}
         queue = [PackItem(id(i), i.spec.modality, i.spec.output_tokens, i.spec.segments) for i in live]
-        now = time.monotonic()
+        now = self._clock()
         next_deadline = None
         sent: set[int] = set()
         for pack in pack_items(queue, self.ladder, self.max_items, self.max_segments):

@@ -1,8 +1,9 @@
-"""Test session setup: GPU tests skip without CUDA."""
+"""Test session setup: tests that start Ray and Serve are marked `serve`; GPU tests skip without CUDA."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -10,13 +11,37 @@ import torch
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+SERVE_FIXTURES = {"serve_harness"}
+"""Fixtures that start Ray and Serve: a test that needs one, itself or through another fixture, is
+marked `serve`, so `-m "not serve"` runs the unit tests alone."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SERVE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.serve)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU host)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _ray_running() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+@pytest.fixture(autouse=True)
+def _serve_marker_is_honest(request):
+    """A test that starts Ray without the `serve` marker fails, so that `-m "not serve"` stays free
+    of Ray (one that starts it some other way than `SERVE_FIXTURES` marks itself)."""
+    running = _ray_running()
+    yield
+    if not running and _ray_running() and request.node.get_closest_marker("serve") is None:
+        pytest.fail("this test started Ray: mark it `serve` (or use the `serve_harness` fixture)")
 
 
 @pytest.fixture(scope="session")

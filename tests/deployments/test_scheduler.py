@@ -1,4 +1,7 @@
-"""The pack scheduler without Ray: when packs close, cancellation, backpressure, failures."""
+"""The pack scheduler without Ray: when packs close, cancellation, backpressure, failures.
+
+Every test runs on a virtual clock (`run_virtual`, the scheduler's `clock`): its sleeps and the
+scheduler's waits take no wall time and end in the order of their virtual times, on any machine."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import torch
 
 from deployments.scheduler import Overloaded, PackScheduler, QueuedItem, packs_in_flight
 from models.protocol import ItemOutput, ItemSpec
+from tests.virtual_clock import run_virtual
 
 
 def spec(tokens: int, modality: str = "image", frames: int = 1) -> ItemSpec:
@@ -17,14 +21,19 @@ def spec(tokens: int, modality: str = "image", frames: int = 1) -> ItemSpec:
 
 
 class Recorder:
-    """A dispatch that records packs and answers each item with its own token count."""
+    """A dispatch that records packs (and the clock's time each was sent at) and answers each item
+    with its own token count."""
 
     def __init__(self, delay_s: float = 0.0, fail: bool = False):
         self.packs: list[list[QueuedItem]] = []
+        self.sent_at: list[float] = []
         self.delay_s, self.fail = delay_s, fail
+        self.sent = asyncio.Event()
 
     async def __call__(self, modality, items):
         self.packs.append(items)
+        self.sent_at.append(asyncio.get_running_loop().time())
+        self.sent.set()
         await asyncio.sleep(self.delay_s)
         if self.fail:
             raise RuntimeError("replica died")
@@ -34,12 +43,15 @@ class Recorder:
 def scheduler(dispatch, max_wait_s=0.05, **kwargs) -> PackScheduler:
     options = dict(ladder=(64, 256, 1024), max_items=8, max_segments=16, target_fill=0.9, max_queued_tokens=10_000)
     options.update(kwargs)
-    return PackScheduler(dispatch=dispatch, max_wait_s=max_wait_s, **options)
+    return PackScheduler(dispatch=dispatch, max_wait_s=max_wait_s, clock=asyncio.get_running_loop().time, **options)
 
 
 def items(tokens: list[int], request_id: str, modality: str = "image") -> list[QueuedItem]:
     loop = asyncio.get_running_loop()
-    return [QueuedItem(torch.zeros(1), spec(t, modality), request_id, loop.create_future()) for t in tokens]
+    return [
+        QueuedItem(torch.zeros(1), spec(t, modality), request_id, loop.create_future(), enqueued_at=loop.time())
+        for t in tokens
+    ]
 
 
 def test_items_of_several_requests_share_a_pack_and_get_their_own_outputs():
@@ -52,7 +64,7 @@ def test_items_of_several_requests_share_a_pack_and_get_their_own_outputs():
         outputs = await asyncio.gather(*(i.future for i in a + b))
         return recorder, sched, outputs
 
-    recorder, sched, outputs = asyncio.run(main())
+    recorder, sched, outputs = run_virtual(main())
     assert len(recorder.packs) == 1 and len(recorder.packs[0]) == 3
     assert [o.tokens.shape[0] for o in outputs] == [100, 40, 70]
     assert sched.stats.snapshot()["mean_requests_per_pack"] == 2.0
@@ -68,20 +80,20 @@ def test_a_partial_pack_waits_max_wait_only_while_another_pack_is_in_flight():
         loop = asyncio.get_running_loop()
 
         async def sent_after(submitted: list[QueuedItem]) -> float:
-            start, count = loop.time(), len(recorder.packs)
+            start = loop.time()
+            recorder.sent.clear()
             sched.submit(submitted)
-            while len(recorder.packs) == count:
-                await asyncio.sleep(0.005)
-            return loop.time() - start
+            await recorder.sent.wait()
+            return recorder.sent_at[-1] - start
 
         lone = await sent_after(items([10], "lone"))
         partial = await sent_after(items([10], "partial"))
         full = await sent_after(items([950], "full"))  # >= 0.9 * 1024
         return lone, partial, full
 
-    lone, partial, full = asyncio.run(main())
-    assert lone < 0.1 and full < 0.1
-    assert 0.29 <= partial < 1.0
+    lone, partial, full = run_virtual(main())
+    assert lone == 0 and full == 0
+    assert partial == pytest.approx(0.3, abs=1e-5)
 
 
 def test_cancelled_items_are_dropped_before_their_pack_is_sent():
@@ -96,7 +108,7 @@ def test_cancelled_items_are_dropped_before_their_pack_is_sent():
         await kept[0].future
         return recorder, sched
 
-    recorder, sched = asyncio.run(main())
+    recorder, sched = run_virtual(main())
     assert [[i.request_id for i in p] for p in recorder.packs] == [["kept"]]
     assert sched.stats.dropped_cancelled == 2
 
@@ -126,7 +138,7 @@ def test_a_sent_pack_is_withdrawn_once_every_request_in_it_left_and_only_then():
         await asyncio.sleep(0.05)
         return one_left, list(cancelled), sched.stats.abandoned_packs, sched.stats.failed_packs
 
-    one_left, cancelled, abandoned, failed = asyncio.run(main())
+    one_left, cancelled, abandoned, failed = run_virtual(main())
     assert one_left == [] and cancelled == [["gone", "left"]]
     assert abandoned == 1 and failed == 0
 
@@ -142,7 +154,7 @@ def test_modalities_never_share_a_pack_and_oldest_goes_first():
         await asyncio.gather(video[0].future, image[0].future)
         return recorder
 
-    recorder = asyncio.run(main())
+    recorder = run_virtual(main())
     assert [[i.spec.modality for i in p] for p in recorder.packs] == [["video"], ["image"]]
 
 
@@ -156,7 +168,7 @@ def test_queued_tokens_are_bounded():
         await first[0].future
         sched.submit(items([200], "third"))  # room again once the first is done
 
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_a_failing_item_fails_only_its_own_request_and_the_split_keeps_one_pack_in_flight():
@@ -189,7 +201,7 @@ def test_a_failing_item_fails_only_its_own_request_and_the_split_keeps_one_pack_
         results = await asyncio.gather(*(i.future for i in good + bad + more), return_exceptions=True)
         return sched, recorder, results
 
-    sched, recorder, results = asyncio.run(main())
+    sched, recorder, results = run_virtual(main())
     assert len(recorder.packs[0]) == 6  # one pack of all three requests, which failed
     assert [r.tokens.shape[0] for i, r in enumerate(results) if i != 2] == [10, 20, 40, 50, 60]
     assert isinstance(results[2], ValueError)
@@ -217,7 +229,7 @@ def test_a_pack_whose_replica_died_is_resent_once():
         sched.submit(batch)
         return sched, await asyncio.gather(*(i.future for i in batch))
 
-    sched, outputs = asyncio.run(main())
+    sched, outputs = run_virtual(main())
     assert [o.tokens.shape[0] for o in outputs] == [10, 20]
     assert sched.stats.retried_packs == 1
 
@@ -236,7 +248,7 @@ def test_a_pack_that_keeps_failing_fails_with_the_final_error():
         results = await asyncio.gather(*(i.future for i in batch), return_exceptions=True)
         return sched, results
 
-    sched, results = asyncio.run(main())
+    sched, results = run_virtual(main())
     assert all(isinstance(r, ConnectionError) and "retried=True" in str(r) for r in results)
     assert sched.stats.retried_packs == 1 and sched.stats.failed_packs == 2 and sched.queued_tokens == 0
 
@@ -260,7 +272,7 @@ def test_packs_do_not_run_in_the_submitting_requests_context():
         sched.submit(batch)
         await batch[0].future
 
-    asyncio.run(main())
+    run_virtual(main())
     assert seen == [None]
 
 
@@ -291,7 +303,7 @@ def test_packs_wait_for_a_free_replica_slot_and_grow_meanwhile():
         await asyncio.gather(*(i.future for request in [first, *later] for i in request))
         return gate, sched
 
-    gate, sched = asyncio.run(main())
+    gate, sched = run_virtual(main())
     assert [len({i.request_id for i in pack}) for pack in gate.packs] == [1, 5]
     assert sched.stats.held_for_room >= 1
 
