@@ -20,6 +20,8 @@ FORBIDDEN = {
     "router": (
         "encoder_graphs.runner",
         "encoder_graphs.warmup",
+        "encoder_graphs.serving",
+        "encoder_graphs.parts",
         "deployments.encoder",
         "deployments.llm",
         "deployments.vllm_engine",
@@ -28,6 +30,8 @@ FORBIDDEN = {
     "llm": (
         "encoder_graphs.runner",
         "encoder_graphs.warmup",
+        "encoder_graphs.serving",
+        "encoder_graphs.parts",
         "deployments.encoder",
         "deployments.router",
         "deployments.service",
