@@ -140,13 +140,13 @@ def test_a_template_gone_before_its_setup_fails_the_start():
     assert template.process.poll() is not None
 
 
-def test_a_router_that_fails_to_start_leaves_no_decode_template(monkeypatch):
-    """The router's constructor spawns the template before anything else; if the constructor then
-    fails (here: outside a Serve replica it has no replica context), the template is killed rather
-    than left running without a router, and the half-built router's destructor still runs."""
-    from ray.serve.exceptions import RayServeException
+def test_a_router_whose_setup_fails_leaves_no_decode_template(monkeypatch):
+    """The router's background setup spawns the decode template first; if the encode path then fails
+    to start, the template is killed rather than left running without a router, the error is kept
+    for Serve's health check (which then replaces the replica), and the destructor still runs."""
+    import threading
 
-    from deployments import router
+    from deployments import router, service
     from deployments.app import deployment_ladder
 
     spawned: list[Template] = []
@@ -156,13 +156,21 @@ def test_a_router_that_fails_to_start_leaves_no_decode_template(monkeypatch):
         spawned.append(spawn())
         return spawned[-1]
 
+    def no_encode_path(*args, **kwargs):
+        raise RuntimeError("no encode path here")
+
     monkeypatch.setattr(Template, "spawn", recorded)  # the class, not `router.Template`: Serve copies the globals
+    monkeypatch.setattr(service, "EncodeService", no_encode_path)
     config = AppConfig()
     instance = object.__new__(router.EncoderRouter)
-    with pytest.raises(RayServeException, match="replica_context"):
-        asyncio.run(instance.__init__(config, None, None, deployment_ladder(config)))
+    instance.config, instance.encoder, instance.llm, instance.fleet, instance.metrics = config, None, None, None, None
+    instance.service, instance.setup_error, instance._ready = None, None, threading.Event()
+    instance._set_up(deployment_ladder(config))
+    assert instance._ready.is_set() and "no encode path here" in instance.setup_error
     assert len(spawned) == 1 and spawned[0].process.poll() is not None
-    asyncio.run(instance.__del__())  # Serve's ingress makes it a coroutine; nothing the constructor missed
+    with pytest.raises(RuntimeError, match="no encode path here"):
+        instance.check_health()
+    asyncio.run(instance.__del__())  # Serve's ingress makes it a coroutine; nothing the setup missed
 
 
 def refuse_to_unpickle():
