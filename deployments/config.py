@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
@@ -381,14 +382,20 @@ def with_reference(text: str) -> str:
     return text[: start + len(REFERENCE_START)] + reference_markdown() + text[end:]
 
 
-if __name__ == "__main__":  # python -m deployments.config [--write docs/configuration.md]
+def main(argv: list[str] | None = None) -> int:
+    """Print the configuration reference, or rewrite it between a Markdown file's markers."""
     parser = argparse.ArgumentParser(description="Print the configuration reference (a Markdown table).")
     parser.add_argument("--write", type=Path, metavar="FILE", help="rewrite the table between FILE's markers instead")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.write is None:
         print(reference_markdown())
-    else:
-        try:
-            args.write.write_text(with_reference(args.write.read_text()))
-        except (OSError, ValueError) as error:
-            parser.exit(1, f"{args.write}: {error}\n")
+        return 0
+    try:
+        args.write.write_text(with_reference(args.write.read_text()))
+    except (OSError, ValueError) as error:
+        parser.exit(1, f"{args.write}: {error}\n")
+    return 0
+
+
+if __name__ == "__main__":  # python -m deployments config-reference [--write docs/configuration.md]
+    sys.exit(main())

@@ -312,9 +312,16 @@ def serve_config_apps(path: str) -> list[tuple[str, dict]]:
     ]
 
 
-if __name__ == "__main__":  # python -m deployments.validation configs/my.yaml ...
-    if len(sys.argv) < 2:
-        sys.exit("usage: python -m deployments.validation CONFIG.yaml ...")
-    found = [problem for path in sys.argv[1:] for problem in check_file(path)]
-    print("\n".join(found) or f"ok: {' '.join(sys.argv[1:])}")
-    sys.exit(1 if found else 0)
+def main(argv: list[str] | None = None) -> int:
+    """Check Serve config files: every problem on a line of its own (exit 1), or `ok: FILES`."""
+    paths = sys.argv[1:] if argv is None else argv
+    if not paths:
+        print("usage: python -m deployments validate CONFIG.yaml ...", file=sys.stderr)
+        return 2
+    found = [problem for path in paths for problem in check_file(path)]
+    print("\n".join(found) or f"ok: {' '.join(paths)}")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":  # python -m deployments validate configs/my.yaml ...
+    sys.exit(main())
