@@ -256,8 +256,10 @@ def test_an_encoder_replica_killed_mid_load_loses_no_request(serve_harness, refe
 
 def test_a_result_lost_with_its_replica_is_encoded_again_over_http(serve_harness, reference_outputs):
     """The router's cache holds references to results that live with the replica that computed
-    them. Every encoder replica killed, Serve replaces them; the same item again is a cache hit
-    whose read fails, and the router encodes it once more: 200 and transformers' answer, not 503."""
+    them. Every encoder replica killed, Serve replaces them; the same item again is encoded once
+    more: 200 and transformers' answer, not 503. The router drops a departed replica's entries
+    within a second (`forget_departed`), so the item is a plain miss; before that, a hit whose read
+    fails, then encoded again."""
     url = deploy_faults(serve_harness)
     body = {"items": [{"type": "image", "image": base64.b64encode(POOL[5]).decode()}], "cache": True}
     with httpx.Client(timeout=60, headers={"Authorization": "Bearer one-tenant"}) as client:  # one cache scope
@@ -268,8 +270,8 @@ def test_a_result_lost_with_its_replica_is_encoded_again_over_http(serve_harness
         after = model_detail(url)["router"]
     check_good({"status": again.status_code, "picks": [5], "body": again.json()}, reference_outputs)
     grew = {k: after["cache"][k] - before["cache"][k] for k in ("hits", "misses")}
-    assert grew == {"hits": 1, "misses": 1}  # a hit whose read failed, then encoded
-    assert after["encoded_again"] == before["encoded_again"] + 1
+    assert grew in ({"hits": 0, "misses": 1}, {"hits": 1, "misses": 1}), grew  # dropped, or a failed hit
+    assert after["encoded_again"] == before["encoded_again"] + grew["hits"]
 
 
 def test_a_handle_request_never_gets_a_cached_result_of_a_dead_replica(serve_harness, reference_outputs):
