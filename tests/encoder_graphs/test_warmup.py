@@ -7,7 +7,6 @@ import json
 import math
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -48,10 +47,12 @@ def route(runner) -> str:
     return "graph" if last.graph else last.eager_reason
 
 
-def serve_while(thread: threading.Thread, runner, reference, packs, before_full_speed=None) -> list[str]:
+def serve_while(
+    thread: threading.Thread, runner, reference, packs, before_full_speed=None, served: threading.Event | None = None
+) -> list[str]:
     """Serve the packs round after round until the warm-up thread ends; the route of each. The
     stats of each pack that started before full speed go to `before_full_speed` (the thread
-    still saves the compile cache after it)."""
+    still saves the compile cache after it); `served` is set after each pack."""
     routes = []
     while thread.is_alive():
         for pixels, specs in packs:
@@ -60,6 +61,8 @@ def serve_while(thread: threading.Thread, runner, reference, packs, before_full_
                 outputs = runner.run(pixels, specs)
             assert_matches_reference(reference, pixels, specs, outputs)
             routes.append(route(runner))
+            if served is not None:
+                served.set()
             if before_full_speed is not None and not full_speed:
                 before_full_speed.append(runner.stats.last)
     return routes
@@ -74,15 +77,17 @@ def test_packs_served_during_a_background_warm_up_match_transformers(qwen3):
     runner.prepare(progress=lambda message: None)
     assert runner.warmup_status().stage == "prepared" and runner.live_budgets() == ()
     log: list[str] = []
+    served = threading.Event()
 
-    def slow_progress(message: str) -> None:  # each step takes a while: packs arrive between steps
+    def slow_progress(message: str) -> None:  # each step waits for a pack served meanwhile (however slow the host)
         log.append(message)
-        time.sleep(0.05)
+        served.clear()
+        served.wait(timeout=30)
 
     thread = threading.Thread(target=runner.warm_up, args=(slow_progress,), daemon=True)
     packs = [images(encoder, 1, [(256, 256), (300, 200)]), images(encoder, 2, [(200, 200)] * 3)]
     thread.start()
-    routes = serve_while(thread, runner, reference, packs)
+    routes = serve_while(thread, runner, reference, packs, served=served)
     thread.join()
     status = runner.warmup_status()
     assert status.full_speed and status.stage == "done" and status.graphs_live == status.graphs_total
