@@ -127,9 +127,16 @@ class ServeHarness:
         return httpx.Client(timeout=timeout, **options)
 
 
+REMOVE = object()
+"""An override value that removes the key from the YAML's `args` (e.g. a GPU-only engine argument on CPU)."""
+
+
 def _merge(base: dict, overrides: dict) -> dict:
     merged = dict(base)
     for key, value in overrides.items():
+        if value is REMOVE:
+            merged.pop(key, None)
+            continue
         both = isinstance(value, dict) and isinstance(merged.get(key), dict)
         merged[key] = _merge(merged[key], value) if both else value  # a dict replaces a number
     return merged

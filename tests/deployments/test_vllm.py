@@ -35,6 +35,7 @@ from models.protocol import ItemOutput
 from models.tiny_checkpoint import save_tiny_vlm
 from tests.deployments.media_helpers import pattern
 from tests.deployments.test_epd import openai_messages
+from tests.serve_harness import REMOVE
 
 FAMILIES = ["qwen2.5-vl", "qwen3-vl"]
 IMAGES = [pattern(200, 120, seed=1), pattern(90, 300, seed=2), pattern(320, 240, seed=3)]
@@ -152,7 +153,8 @@ def app(family, checkpoint, reference, serve_harness):
             "device": "cpu",
             "dtype": "float32",
             "max_tokens": 512,
-            "engine_kwargs": ENGINE_KWARGS,
+            # without configs/epd-vllm.yaml's GPU share, which the build refuses on CPU
+            "engine_kwargs": {**ENGINE_KWARGS, "gpu_memory_utilization": REMOVE},
         },
     )
     yield url

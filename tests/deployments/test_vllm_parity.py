@@ -53,6 +53,7 @@ from deployments.wire import GenerateRequest, item_to_wire
 from models.protocol import ItemOutput
 from models.tiny_checkpoint import save_random_vlm, save_tiny_vlm
 from tests.deployments.test_epd import openai_messages
+from tests.serve_harness import REMOVE
 
 RESULTS_DIR = Path(os.environ.get("RESULTS_DIR", "/tmp/vlm-encoder-results"))  # not the checkout
 MAX_TOKENS = 64
@@ -161,7 +162,11 @@ def deploy(serve_harness, setting: Setting, checkpoint: str, replica: dict) -> s
             "device": setting.device,
             "dtype": setting.dtype,
             "max_tokens": MAX_TOKENS,
-            "engine_kwargs": {**setting.engine_kwargs, **gpu_memory_utilization(setting)},
+            # on CPU without configs/epd-vllm.yaml's GPU share, which the build refuses there
+            "engine_kwargs": {
+                **setting.engine_kwargs,
+                **(gpu_memory_utilization(setting) or {"gpu_memory_utilization": REMOVE}),
+            },
         },
     )
 
