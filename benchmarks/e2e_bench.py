@@ -286,7 +286,7 @@ def run_encoder(args, requests: list[list], record: Record) -> None:
 
     from deployments.app import deployment_ladder
     from deployments.config import AppConfig
-    from deployments.encoder import load_encoder
+    from deployments.encoder.replica import load_encoder
     from encoder_graphs.packing import PackItem, pack_items
     from encoder_graphs.runner import EncoderRunner
 

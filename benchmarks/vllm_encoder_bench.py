@@ -131,7 +131,7 @@ def our_runner(config_path: Path, checkpoint: str, device: torch.device, compile
     """(encoder, runner, ladder, warm-up seconds): `EncoderRunner` as the config sets it up, on the checkpoint."""
     from deployments.app import deployment_ladder
     from deployments.config import AppConfig
-    from deployments.encoder import load_encoder
+    from deployments.encoder.replica import load_encoder
     from encoder_graphs.runner import EncoderRunner
 
     args = yaml.safe_load(config_path.read_text())["applications"][0]["args"]
@@ -324,7 +324,7 @@ def our_call(runner, rows: torch.Tensor, specs: list, recurring: bool = False):
 def agreement(runner, model, managers: dict, batches: list, specs: list) -> tuple[dict[str, float], int]:
     """Max relative error of each vLLM system's outputs against ours on the first batches (at least
     `AGREEMENT_ITEMS` items), ours run on the same groups; and the number of items compared."""
-    from deployments.vllm_engine import engine_embedding
+    from deployments.llm.vllm_engine import engine_embedding
 
     first, covered = [], 0
     for batch in batches:

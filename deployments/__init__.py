@@ -1,4 +1,6 @@
-"""Ray Serve deployments: the router (ingress), encoder replicas, and the app builder.
+"""Ray Serve deployments, one subpackage per process: `router/` (the ingress), `decode/` (its decode
+workers), `encoder/` (the encoder replicas), `llm/` (the LLM replicas). The modules here are shared
+and light: the app builder, config and its validation, wire types, errors, metrics, the autoscaling policy.
 
 Kept import-light: Serve's controller imports `deployments.autoscaling` on its own.
 """

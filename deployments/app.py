@@ -46,7 +46,7 @@ def encoder_deployment(config: AppConfig, logging_config: LoggingConfig) -> Depl
         ray_actor_options={"num_cpus": 1, "num_gpus": 1 if config.model.device == "cuda" else 0},
         logging_config=logging_config,
         request_router_config=RequestRouterConfig(
-            request_router_class="deployments.routing.FewestQueuedTokensRouter",
+            request_router_class="deployments.router.routing.FewestQueuedTokensRouter",
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
         ),
     )

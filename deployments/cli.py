@@ -11,7 +11,7 @@ import sys
 
 TOOLS = {
     "validate": ("deployments.validation", "check Serve config files without starting anything"),
-    "compile-cache": ("deployments.compile_cache", "fill a compile cache on this GPU, signed for the replicas"),
+    "compile-cache": ("deployments.encoder.compile_cache", "fill a compile cache on this GPU, signed for the replicas"),
     "config-reference": ("deployments.config", "print (or --write into a file) the configuration table"),
 }
 

@@ -6,9 +6,12 @@ both read them here (this module imports nothing heavy: the validator must stay 
 
 from __future__ import annotations
 
-ROUTER = "deployments.router.EncoderRouter"
-ENCODER = "deployments.encoder.EncoderReplica"
-LLM_ENGINES = {"transformers": "deployments.llm.LLMReplica", "vllm": "deployments.vllm_engine.VLLMReplica"}
+ROUTER = "deployments.router.ingress.EncoderRouter"
+ENCODER = "deployments.encoder.replica.EncoderReplica"
+LLM_ENGINES = {
+    "transformers": "deployments.llm.transformers_engine.LLMReplica",
+    "vllm": "deployments.llm.vllm_engine.VLLMReplica",
+}
 """The LLM deployment's class per `llm.engine`."""
 
 

@@ -27,7 +27,7 @@ one (`os.replace` is atomic), signature and bytes in one file.
 
 Pre-build the cache for a deployment before scaling it out, on one GPU of the kind that will
 serve (the key includes the GPU), with the key the replicas will use:
-`python -m deployments.compile_cache --config configs/gpu.yaml` (with `graphs.compile: true`,
+`python -m deployments compile-cache --config configs/gpu.yaml` (with `graphs.compile: true`,
 `graphs.compile_cache` and, for a cluster, `graphs.compile_cache_key_file` set in its args).
 """
 

@@ -48,7 +48,9 @@ def test_the_readme_test_command_is_what_ci_runs():
 def test_the_configuration_reference_is_the_models():
     text = (ROOT / CONFIGURATION).read_text()
     documented = text[text.index(REFERENCE_START) + len(REFERENCE_START) : text.index(REFERENCE_END)]
-    assert documented == reference_markdown(), f"regenerate it: python -m deployments config-reference --write {CONFIGURATION}"
+    assert documented == reference_markdown(), (
+        f"regenerate it: python -m deployments config-reference --write {CONFIGURATION}"
+    )
 
 
 def test_the_readme_links_the_configuration_reference():

@@ -18,8 +18,8 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response
 
-from deployments.responses import encode_response_json
 from deployments.results import EncodeResult
+from deployments.router.responses import encode_response_json
 from deployments.wire import item_to_wire
 from models import from_preset, load_preprocessor, transformers_tower
 from models.protocol import ItemOutput

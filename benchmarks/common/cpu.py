@@ -16,8 +16,10 @@ SERVE_PROCESSES = (
     "haproxy",
 )
 """Serve replicas (process titles `ray::ServeReplica:<app>:<deployment>`) and the routers' decode
-workers (`python -m deployments.decode_worker`) and HAProxy where it is the ingress
+workers (`python -m deployments.decode.worker`) and HAProxy where it is the ingress
 (`RAY_SERVE_ENABLE_HA_PROXY=1`): their CPU use is recorded."""
+IN_TITLE = {"decode_worker": "deployments.decode.worker"}
+"""What a process title holds where it is not the name the CPU seconds are recorded under."""
 
 
 class Window:
@@ -61,7 +63,7 @@ def serve_cpu_seconds() -> dict[str, float]:
         if process.pid == os.getpid() or "multiprocessing" in title:  # this benchmark and its callers
             continue
         for name in SERVE_PROCESSES:
-            found = process.info["name"] == name if name == "haproxy" else name in title
+            found = process.info["name"] == name if name == "haproxy" else IN_TITLE.get(name, name) in title
             if found and process.info["cpu_times"] is not None:
                 times = process.info["cpu_times"]
                 used[name] = used.get(name, 0.0) + times.user + times.system

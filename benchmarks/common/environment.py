@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def environment() -> dict:
-    from deployments.http import http_ingress  # Ray's flags, as the service started from here reads them
+    from deployments.router.http import http_ingress  # Ray's flags, as the service started from here reads them
 
     return {
         "command": " ".join(sys.argv),

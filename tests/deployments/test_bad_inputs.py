@@ -21,7 +21,7 @@ from PIL import Image
 from pydantic import ValidationError
 
 from deployments.config import Limits
-from deployments.schemas import ChatRequest, EncodeRequest
+from deployments.router.schemas import ChatRequest, EncodeRequest
 from models import from_preset
 from tests.deployments.media_helpers import b64, decode_embedding, image_file, pattern, reference_image
 from tests.helpers import model_detail, reference_tower, relative_error

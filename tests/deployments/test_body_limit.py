@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from ray.exceptions import TaskCancelledError
 
 from deployments.config import AppConfig
-from deployments.http import BodyLimit
+from deployments.router.http import BodyLimit
 
 
 class Router:

@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from ray import serve
 
-from deployments.cache import EmbeddingCache, cache_scope
-from deployments.encode_queue import Encoded
+from deployments.router.cache import EmbeddingCache, cache_scope
+from deployments.router.encode_queue import Encoded
 from tests.deployments.media_helpers import b64, decode_embedding, image_file, pattern
 from tests.helpers import model_detail
 
@@ -115,7 +115,7 @@ def test_a_finished_items_waiters_never_touch_a_newer_future_of_the_same_content
     """Request A's X finished; B re-encodes X (new future); A leaving must not let C's wait be cancelled."""
     import asyncio
 
-    from deployments.cache import InflightTable
+    from deployments.router.cache import InflightTable
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -141,7 +141,7 @@ def test_an_item_that_just_finished_is_shared_before_its_callbacks_run():
     This one-loop-turn window let 20 concurrent identical requests encode twice in CI."""
     import asyncio
 
-    from deployments.cache import InflightTable
+    from deployments.router.cache import InflightTable
 
     async def main():
         loop = asyncio.get_running_loop()

@@ -248,9 +248,9 @@ def test_the_router_counts_the_prompt_as_the_llm_does(with_image, prompt_url, se
 def test_a_stream_the_llm_refuses_ends_with_an_error_event_and_done(url):
     """The LLM's own prompt check, reached by a request built past the router's (which refuses such
     a prompt before streaming): the stream ends with the error and `[DONE]`."""
-    from deployments import chat
     from deployments.config import AppConfig
-    from deployments.llm import GenerateRequest
+    from deployments.llm.transformers_engine import GenerateRequest
+    from deployments.router import chat
 
     config = AppConfig.model_validate({"llm": LIMITS["llm"]})  # the app's LLM: 64 prompt tokens
     service = SimpleNamespace(config=config, llm=serve.get_deployment_handle("LLMReplica", app_name="chat-limits"))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments.compile_cache import main
+from deployments.encoder.compile_cache import main
 from encoder_graphs.cache_trust import NODE_KEY, Signer, read_key
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +56,9 @@ def test_without_a_key_file_it_signs_with_this_machines_key_and_warns(
     [("short", "holds 5 bytes, fewer than 32"), (None, "No such file"), ("inside", "inside graphs.compile_cache")],
 )
 def test_a_key_it_cannot_use_stops_it_naming_the_file(cpu_config, tmp_path, monkeypatch, key, message):
-    monkeypatch.setattr("deployments.compile_cache.load_encoder", lambda config: pytest.fail("loaded the model"))
+    monkeypatch.setattr(
+        "deployments.encoder.compile_cache.load_encoder", lambda config: pytest.fail("loaded the model")
+    )
     key_file = tmp_path / ("cache" if key == "inside" else "") / "cluster.key"
     if key is not None:
         key_file.parent.mkdir(exist_ok=True)

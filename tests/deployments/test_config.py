@@ -125,10 +125,10 @@ def test_every_shipped_config_validates_and_names_our_deployments():
 
     from ray.serve.schema import ServeDeploySchema
 
-    from deployments.encoder import EncoderReplica
-    from deployments.llm import LLMReplica
-    from deployments.router import EncoderRouter
-    from deployments.vllm_engine import VLLMReplica
+    from deployments.encoder.replica import EncoderReplica
+    from deployments.llm.transformers_engine import LLMReplica
+    from deployments.llm.vllm_engine import VLLMReplica
+    from deployments.router.ingress import EncoderRouter
 
     ours = {d.__name__ for d in (EncoderReplica, EncoderRouter, LLMReplica, VLLMReplica)}
     paths = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
@@ -172,7 +172,7 @@ def test_a_config_file_is_checked_as_its_build_would_check_it(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 def test_prebuilding_the_compile_cache_without_a_gpu_says_so():
-    from deployments.compile_cache import main
+    from deployments.encoder.compile_cache import main
 
     with pytest.raises(SystemExit, match="no CUDA GPU"):
         main(["--config", str(Path(__file__).parents[2] / "configs" / "gpu.yaml")])
@@ -213,7 +213,7 @@ def test_the_router_module_imports_no_torch():
     import sys
 
     probe = (
-        "import sys, deployments.router\n"
+        "import sys, deployments.router.ingress\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'PIL'}))\n"
     )
     root = __import__("pathlib").Path(__file__).parents[2]

@@ -16,9 +16,9 @@ import pytest
 from PIL import Image
 
 from deployments.config import AppConfig
-from deployments.decode_pool import DecodePool, Template, WorkerSetup, worker_environment
+from deployments.decode.media import RawItem
+from deployments.decode.pool import DecodePool, Template, WorkerSetup, worker_environment
 from deployments.errors import RequestError
-from deployments.media import RawItem
 
 
 def png(width: int, height: int) -> bytes:
@@ -146,8 +146,8 @@ def test_a_router_whose_setup_fails_leaves_no_decode_template(monkeypatch):
     for Serve's health check (which then replaces the replica), and the destructor still runs."""
     import threading
 
-    from deployments import router, service
     from deployments.app import deployment_ladder
+    from deployments.router import ingress, service
 
     spawned: list[Template] = []
     spawn = Template.spawn
@@ -159,10 +159,10 @@ def test_a_router_whose_setup_fails_leaves_no_decode_template(monkeypatch):
     def no_encode_path(*args, **kwargs):
         raise RuntimeError("no encode path here")
 
-    monkeypatch.setattr(Template, "spawn", recorded)  # the class, not `router.Template`: Serve copies the globals
+    monkeypatch.setattr(Template, "spawn", recorded)  # the class, not `ingress.Template`: Serve copies the globals
     monkeypatch.setattr(service, "EncodeService", no_encode_path)
     config = AppConfig()
-    instance = object.__new__(router.EncoderRouter)
+    instance = object.__new__(ingress.EncoderRouter)
     instance.config, instance.encoder, instance.llm, instance.fleet, instance.metrics = config, None, None, None, None
     instance.service, instance.setup_error, instance._ready = None, None, threading.Event()
     instance._set_up(deployment_ladder(config))

@@ -300,7 +300,7 @@ def test_models_does_not_wait_on_a_saturated_encoder(url, serve_harness):
     a real queue's length depends on the machine. The answer path is the router's own code."""
     import asyncio
 
-    from deployments.router import DESCRIBE_TIMEOUT_S, EncoderRouter
+    from deployments.router.ingress import DESCRIBE_TIMEOUT_S, EncoderRouter
 
     fresh = model_detail(url)["replica"]
     assert "stale_s" not in fresh and fresh["stats"]["packs"] >= 0

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from deployments.router import STARTING
+from deployments.router.ingress import STARTING
 from models.tiny_checkpoint import save_tiny_vlm
 from tests.deployments.media_helpers import pattern
 from tests.deployments.test_epd import openai_messages

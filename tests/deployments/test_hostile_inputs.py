@@ -29,11 +29,11 @@ import yaml
 from PIL import Image
 
 from deployments.config import AppConfig, Limits, ModelSettings
-from deployments.decode_pool import WorkerSetup
-from deployments.decode_worker import build_state, decode_job, inspect_job
+from deployments.decode.media import RawItem
+from deployments.decode.pool import WorkerSetup
+from deployments.decode.worker import build_state, decode_job, inspect_job
 from deployments.errors import RequestError
-from deployments.http import json_value_limit
-from deployments.media import RawItem
+from deployments.router.http import json_value_limit
 from tests.deployments import hostile_media as hostile
 from tests.deployments.media_helpers import b64, image_file, pattern
 from tests.helpers import model_detail

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from deployments.config import AppConfig, Limits, LLMSettings
-from deployments.http import MIN_JSON_VALUES, json_value_limit, too_many_values
-from deployments.json_values import json_path, largest_container, values_past
+from deployments.router.http import MIN_JSON_VALUES, json_value_limit, too_many_values
+from deployments.router.json_values import json_path, largest_container, values_past
 
 
 def reference_count(body: bytes) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 import psutil
 import pytest
 
-from deployments.router import DESCRIBE_TIMEOUT_S
+from deployments.router.ingress import DESCRIBE_TIMEOUT_S
 from models import from_preset
 from tests.deployments.media_helpers import decode_embedding, image_file, pattern, reference_image
 from tests.helpers import model_detail, reference_tower, relative_error

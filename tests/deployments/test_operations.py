@@ -173,7 +173,7 @@ def test_the_operators_detail_is_computed_once_for_every_poller_at_a_time():
     and later ones reuse it for `DETAIL_TTL_S`."""
     import asyncio
 
-    from deployments.router import DETAIL_TTL_S, EncoderRouter
+    from deployments.router.ingress import DETAIL_TTL_S, EncoderRouter
 
     router = object.__new__(EncoderRouter)
     router._detail, router._detail_task = None, None

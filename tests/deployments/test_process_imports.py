@@ -1,6 +1,7 @@
 """What each of the service's processes imports, pinned: a router (and its decode workers) never
 imports the graph runner, the encoder replica or an LLM engine; an LLM replica never imports the
-graph runner, the encoder replica or the router. Each check runs in a fresh interpreter."""
+graph runner, the encoder replica or the router. A process's side is its subpackage of `deployments`
+(`router/` with `decode/`, `encoder/`, `llm/`). Each check runs in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -12,10 +13,15 @@ import pytest
 
 from tests.serve_harness import ROOT
 
-ROUTER = ["deployments.router", "deployments.service", "deployments.chat", "deployments.decode_worker"]
+ROUTER = [
+    "deployments.router.ingress",
+    "deployments.router.service",
+    "deployments.router.chat",
+    "deployments.decode.worker",
+]
 """What a router process imports: its module, the encode path its constructor imports, chat, and the
 decode workers' entry point (forked from a template the router spawns)."""
-LLM = ["deployments.llm"]
+LLM = ["deployments.llm.transformers_engine"]
 FORBIDDEN = {
     "router": (
         "encoder_graphs.runner",
@@ -24,7 +30,6 @@ FORBIDDEN = {
         "encoder_graphs.parts",
         "deployments.encoder",
         "deployments.llm",
-        "deployments.vllm_engine",
         "vllm",
     ),
     "llm": (
@@ -34,7 +39,6 @@ FORBIDDEN = {
         "encoder_graphs.parts",
         "deployments.encoder",
         "deployments.router",
-        "deployments.service",
     ),
 }
 

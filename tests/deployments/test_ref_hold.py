@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from deployments.ref_hold import ReferenceHold
+from deployments.router.ref_hold import ReferenceHold
 from tests.virtual_clock import run_virtual
 
 

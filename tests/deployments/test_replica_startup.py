@@ -9,8 +9,8 @@ import pytest
 
 from deployments.autoscaling import ROUTER_REPORT_S
 from deployments.config import AppConfig
-from deployments.replica_counters import ReplicaCounters
-from deployments.replica_startup import WarmupTimeline, cache_filled, waits_for_warm_up, warm_up_line
+from deployments.encoder.replica_counters import ReplicaCounters
+from deployments.encoder.replica_startup import WarmupTimeline, cache_filled, waits_for_warm_up, warm_up_line
 from encoder_graphs.compile_cache import ARTIFACTS, CompileCache
 from encoder_graphs.warmup import WarmupStatus
 
@@ -87,5 +87,5 @@ def test_counters_sum_forwards_and_report_each_router_until_it_goes_quiet(monkey
     assert reported["queued_tokens"] == 200.0 and reported["inflight_tokens"] == 100.0
     assert 5000.0 in reported.values() and 7.0 in reported.values()
     later = time.monotonic() + ROUTER_REPORT_S + 1
-    monkeypatch.setattr("deployments.replica_counters.time.monotonic", lambda: later)
+    monkeypatch.setattr("deployments.encoder.replica_counters.time.monotonic", lambda: later)
     assert set(counters.autoscaling_stats()) == {"queued_tokens", "inflight_tokens"}  # r1 went quiet

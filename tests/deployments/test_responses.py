@@ -13,7 +13,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load
 
-from deployments.responses import (
+from deployments.results import EncodeResult
+from deployments.router.responses import (
     CHUNK_BYTES,
     FLOAT_ELEMENTS,
     encode_response_json,
@@ -21,7 +22,6 @@ from deployments.responses import (
     json_body,
     safetensors_body,
 )
-from deployments.results import EncodeResult
 from models.protocol import ItemOutput
 
 

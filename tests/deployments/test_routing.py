@@ -3,8 +3,8 @@
 import asyncio
 from types import SimpleNamespace
 
-from deployments import routing
-from deployments.routing import FewestQueuedTokensRouter, replica_slots
+from deployments.router import routing
+from deployments.router.routing import FewestQueuedTokensRouter, replica_slots
 
 
 def router() -> FewestQueuedTokensRouter:
@@ -47,7 +47,7 @@ def test_a_replicas_own_report_wins_when_larger():
 def test_a_count_never_completed_expires(monkeypatch):
     """A pack ranked whose slot reservation then failed is never completed: its count goes after
     `COUNT_EXPIRY_S` instead of steering traffic away from the replica for good."""
-    import deployments.routing as routing
+    import deployments.router.routing as routing
 
     chooser, a, b = router(), replica("a"), replica("b")
     asyncio.run(chooser.choose_replicas([a, b], pack("lost", 4000)))
@@ -64,7 +64,7 @@ def test_an_unavailable_replica_or_deployment_is_retried_elsewhere_not_blamed_on
     from ray.serve._private.common import DeploymentID
     from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
-    from deployments.encode_queue import replica_failed
+    from deployments.router.encode_queue import replica_failed
 
     assert replica_failed(ReplicaUnavailableError("r1"))
     assert replica_failed(DeploymentUnavailableError(DeploymentID(name="EncoderReplica", app_name="encoder")))

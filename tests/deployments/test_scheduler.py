@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from deployments.scheduler import Overloaded, PackScheduler, QueuedItem, packs_in_flight
+from deployments.router.scheduler import Overloaded, PackScheduler, QueuedItem, packs_in_flight
 from models.protocol import ItemOutput, ItemSpec
 from tests.virtual_clock import run_virtual
 

@@ -28,8 +28,8 @@ from openai import OpenAI
 from ray import serve
 from transformers import AutoProcessor
 
-from deployments.chat import result_within
 from deployments.errors import RequestError
+from deployments.router.chat import result_within
 from deployments.wire import GenerateRequest, item_to_wire
 from models.protocol import ItemOutput
 from models.tiny_checkpoint import save_tiny_vlm

@@ -48,7 +48,7 @@ from ray import serve
 from transformers import AutoProcessor
 
 from benchmarks.common.workload import photo
-from deployments.vllm_engine import multi_modal_data
+from deployments.llm.vllm_engine import multi_modal_data
 from deployments.wire import GenerateRequest, item_to_wire
 from models.protocol import ItemOutput
 from models.tiny_checkpoint import save_random_vlm, save_tiny_vlm

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .config import LLMSettings
+from ..config import LLMSettings
 
 
 @functools.cache

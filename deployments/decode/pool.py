@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 
-from .config import Limits, ModelSettings
-from .errors import Overloaded, item_error
+from ..config import Limits, ModelSettings
+from ..errors import Overloaded, item_error
 
 logger = logging.getLogger("ray.serve")
 
@@ -114,7 +114,7 @@ class WorkerSetup:
 
 
 class Template:
-    """The process the workers are forked from (`python -m deployments.decode_worker <fd>`), with
+    """The process the workers are forked from (`python -m deployments.decode.worker <fd>`), with
     its control socket: the setup goes in once, then pipe ends go in (SCM_RIGHTS) and pids come
     out. A plain subprocess, not multiprocessing, which would re-import the parent's main module
     (a Ray worker's) in the child."""
@@ -131,7 +131,7 @@ class Template:
         (`start`), so the caller can do its own imports meanwhile."""
         ours, theirs = socket.socketpair()
         process = subprocess.Popen(
-            [sys.executable, "-m", "deployments.decode_worker", str(theirs.fileno())],
+            [sys.executable, "-m", "deployments.decode.worker", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
             env=worker_environment(dict(os.environ), sys.path),

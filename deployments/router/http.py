@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException
 
-from .errors import RequestError
+from ..errors import RequestError
 from .json_values import json_path, largest_container, values_past
 from .schemas import ErrorResponse, error_param, request_error
 

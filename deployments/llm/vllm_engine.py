@@ -30,11 +30,11 @@ from transformers import AutoTokenizer
 
 from models.protocol import ItemOutput
 
-from .config import AppConfig, LLMSettings
-from .errors import RequestError
-from .llm import fetch_embeddings
-from .process import before_constructor
-from .wire import GenerateRequest, GenerateResult, resolve_dtype
+from ..config import AppConfig, LLMSettings
+from ..errors import RequestError
+from ..process import before_constructor
+from ..wire import GenerateRequest, GenerateResult, resolve_dtype
+from .transformers_engine import fetch_embeddings
 
 logger = logging.getLogger("ray.serve")
 IMPORTED = time.monotonic()

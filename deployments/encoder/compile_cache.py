@@ -1,6 +1,6 @@
 """Pre-build the compile cache of a deployment, so its replicas load compiled code instead of compiling.
 
-    python -m deployments.compile_cache --config configs/gpu.yaml [--app encoder] [--dir /shared/cache]
+    python -m deployments compile-cache --config configs/gpu.yaml [--app encoder] [--dir /shared/cache]
         [--key-file /etc/vlm-encoder-serve/cache.key]
 
 Reads the Serve config's application args (validated as `AppConfig`), loads the encoder on
@@ -33,10 +33,10 @@ import torch
 from encoder_graphs.cache_trust import CacheKeyError, signer
 from encoder_graphs.runner import EncoderRunner
 
-from .app import deployment_ladder
-from .config import AppConfig
-from .encoder import load_encoder
-from .validation import BUILD_APP, serve_config_apps
+from ..app import deployment_ladder
+from ..config import AppConfig
+from ..validation import BUILD_APP, serve_config_apps
+from .replica import load_encoder
 
 
 def app_config(path: str, app: str | None = None) -> AppConfig:

@@ -16,10 +16,10 @@ from PIL import Image
 
 from models.protocol import ItemSpec
 
-from . import media
-from .config import AppConfig
-from .decode_pool import SMALL_BYTES, SMALL_PIXELS, DecodePool, Template, WorkerSetup
-from .errors import RequestError, item_error
+from ..config import AppConfig
+from ..decode import media
+from ..decode.pool import SMALL_BYTES, SMALL_PIXELS, DecodePool, Template, WorkerSetup
+from ..errors import RequestError, item_error
 from .schemas import ImageItem
 
 IMAGE_TYPES = (bytes, bytearray, memoryview, Image.Image)

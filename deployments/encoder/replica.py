@@ -29,13 +29,13 @@ from encoder_graphs.runner import EncoderRunner
 from models import from_checkpoint, from_preset
 from models.protocol import ItemOutput
 
-from .config import AppConfig
+from ..config import AppConfig
+from ..metrics import EncoderMetrics, refresh_gauges
+from ..process import before_constructor
+from ..wire import PackRequest, PackResult, item_to_wire, resolve_dtype
 from .drain import StoredResults, shutdown_budget_s, wait_until_read
-from .metrics import EncoderMetrics, refresh_gauges
-from .process import before_constructor
 from .replica_counters import ReplicaCounters
 from .replica_startup import WarmupTimeline, cache_filled, waits_for_warm_up, warm_up_line
-from .wire import PackRequest, PackResult, item_to_wire, resolve_dtype
 
 logger = logging.getLogger("ray.serve")
 IMPORTED = time.monotonic()

@@ -29,18 +29,18 @@ from ray.serve.handle import DeploymentHandle
 
 from encoder_graphs.config import Ladder
 
-from .config import AppConfig
-from .decode_pool import Template
-from .errors import RequestError, log_refusals_in_one_line, overloaded
+from ..config import AppConfig
+from ..decode.pool import Template
+from ..errors import RequestError, log_refusals_in_one_line, overloaded
+from ..metrics import RouterMetrics, refresh_gauges
+from ..process import before_constructor
 from .fleet import EncoderFleet
 from .http import create_api, http_ingress
-from .metrics import RouterMetrics, refresh_gauges
-from .process import before_constructor
 from .routing import replica_reports
 from .schemas import ChatRequest, EncodeRequest, parse_chat_request
 
 if TYPE_CHECKING:
-    from .results import ItemRef
+    from ..results import ItemRef
 
 logger = logging.getLogger("ray.serve")
 IMPORTED = time.monotonic()

@@ -1,10 +1,11 @@
 """Embedding cache (LRU, bounded in bytes) and in-flight dedup of identical items.
 
-The key is a content hash of the decoded, resized pixels (what the tower actually sees),
-their shape and modality, and the model id, under the request's scope (`cache_scope`: its
-tenant and salt): two files that decode to the same pixels share an entry within a scope; the
-same image resized differently does not, nor the same image sent by another tenant. Identical items that are in
-flight at the same time are encoded once: later requests await the first one's future.
+The key is a content hash of the decoded, resized pixels (what the tower actually sees), their
+shape and modality, and the model id (`deployments.decode.worker.content_key`, made where the
+pixels are), under the request's scope (`cache_scope`: its tenant and salt): two files that decode
+to the same pixels share an entry within a scope; the same image resized differently does not, nor
+the same image sent by another tenant. Identical items that are in flight at the same time are
+encoded once: later requests await the first one's future.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import asyncio
 import hashlib
 from collections import OrderedDict
 from typing import Any
-
-import torch
 
 
 def cache_scope(sharing: str, tenant: str | None, salt: str | None) -> str | None:
@@ -28,13 +27,6 @@ def cache_scope(sharing: str, tenant: str | None, salt: str | None) -> str | Non
         return None
     digest = hashlib.blake2b(repr((tenant, salt)).encode(), digest_size=16)
     return digest.hexdigest() + "|"
-
-
-def content_key(model_id: str, modality: str, pixels: torch.Tensor) -> bytes:
-    digest = hashlib.blake2b(digest_size=32)
-    digest.update(f"{model_id}|{modality}|{tuple(pixels.shape)}|".encode())
-    digest.update(memoryview(pixels.contiguous().numpy()).cast("B"))
-    return digest.digest()
 
 
 class EmbeddingCache:

@@ -66,7 +66,7 @@ class FewestQueuedTokensRouter(FIFOMixin, RequestRouter):
         self._by_request: dict[str, tuple[ReplicaID, int, float]] = {}
         # Serve pickles this class by value, module globals with it: the registry `replica_reports`
         # reads is the imported module's, not this copy's.
-        from deployments import routing
+        from deployments.router import routing
 
         routing._ROUTERS.add(self)
 

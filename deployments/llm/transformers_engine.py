@@ -26,10 +26,10 @@ from models import family_class, resolve_preset, vlm_config
 from models.protocol import ItemOutput
 from models.tiny_checkpoint import build_preset_tokenizer
 
-from .config import AppConfig, LLMSettings
-from .errors import RequestError, log_refusals_in_one_line
-from .process import before_constructor
-from .wire import GenerateRequest, GenerateResult, item_from_wire, resolve_dtype
+from ..config import AppConfig, LLMSettings
+from ..errors import RequestError, log_refusals_in_one_line
+from ..process import before_constructor
+from ..wire import GenerateRequest, GenerateResult, item_from_wire, resolve_dtype
 
 logger = logging.getLogger("ray.serve")
 IMPORTED = time.monotonic()

@@ -15,18 +15,18 @@ from ray.serve.handle import DeploymentHandle
 from encoder_graphs.config import Ladder
 from models import load_preprocessor
 
+from ..config import AppConfig
+from ..decode.pool import Template
+from ..metrics import RouterMetrics
+from ..results import EncodeResult, ItemRef
 from . import chat
 from .cache import cache_scope
-from .config import AppConfig
-from .decode_pool import Template
 from .encode_queue import EncodeQueue, ResultsLost
 from .fleet import EncoderFleet
 from .http import http_ingress
 from .intake import Intake, raw_from_http
-from .metrics import RouterMetrics
 from .ref_hold import ReferenceHold
 from .responses import float_json_body, json_body, safetensors_body
-from .results import EncodeResult, ItemRef
 from .schemas import ChatRequest, EncodeRequest
 
 HANDLE_TENANT = "handle"

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 
-from .autoscaling import ROUTER_REPORT_S, router_waiting_metrics
+from ..autoscaling import ROUTER_REPORT_S, router_waiting_metrics
 
 STEPS = ("preprocess", "run", "store", "between")
 """The steps of a forward whose wall seconds are summed: normalize and patchify, the runner, storing

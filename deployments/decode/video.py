@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import Limits
-from .errors import RequestError, item_error
+from ..config import Limits
+from ..errors import RequestError, item_error
 
 DEMUXERS = {
     "mp4": "mov,mp4,m4a,3gp,3g2,mj2",

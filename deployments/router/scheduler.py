@@ -26,7 +26,7 @@ import torch
 from encoder_graphs.packing import PackItem, pack_items
 from models.protocol import ItemOutput, ItemSpec
 
-from .errors import Overloaded  # its home is light: the decode pool raises it too
+from ..errors import Overloaded  # its home is light: the decode pool raises it too
 
 logger = logging.getLogger("ray.serve")
 

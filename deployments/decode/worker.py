@@ -11,6 +11,7 @@ pool.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
@@ -21,15 +22,15 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection
 
 import numpy as np
+import torch
 
 from models import load_preprocessor
 from models.processing import VisionPreprocessor
 
+from ..config import Limits
+from ..errors import RequestError, item_error
 from . import media
-from .cache import content_key
-from .config import Limits
-from .decode_pool import JobUnreadable, WorkerSetup
-from .errors import RequestError, item_error
+from .pool import JobUnreadable, WorkerSetup
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,15 @@ def build_state(setup: WorkerSetup) -> WorkerState:
 
 def inspect_job(state: WorkerState, raw: media.RawItem) -> media.Inspection:
     return media.inspect(raw, state.limits, state.preprocessor)
+
+
+def content_key(model_id: str, modality: str, pixels: torch.Tensor) -> bytes:
+    """The embedding cache's key of an item (see `deployments.router.cache`): a hash of its
+    decoded pixels, their shape and modality, and `model_id` (prefixed with the request's scope)."""
+    digest = hashlib.blake2b(digest_size=32)
+    digest.update(f"{model_id}|{modality}|{tuple(pixels.shape)}|".encode())
+    digest.update(memoryview(pixels.contiguous().numpy()).cast("B"))
+    return digest.digest()
 
 
 def decode_job(state: WorkerState, raw: media.RawItem, found: media.Inspection, key_prefix: str | None):
@@ -161,8 +171,8 @@ def main(argv: list[str]) -> None:
     template(int(argv[1]))
 
 
-if __name__ == "__main__":  # python -m deployments.decode_worker <control socket fd>
-    # Run the imported module's copy, so that what it pickles names `deployments.decode_worker`.
-    from deployments.decode_worker import main as module_main
+if __name__ == "__main__":  # python -m deployments.decode.worker <control socket fd>
+    # Run the imported module's copy, so that what it pickles names `deployments.decode.worker`.
+    from deployments.decode.worker import main as module_main
 
     module_main(sys.argv)

@@ -20,15 +20,15 @@ import ray
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
+from ..config import AppConfig
+from ..decode.media import DecodedItem
+from ..errors import Overloaded, RequestError, overloaded
+from ..metrics import RouterMetrics
+from ..wire import PackRequest, item_from_wire
 from .cache import EmbeddingCache, InflightTable
-from .config import AppConfig
-from .errors import Overloaded, RequestError, overloaded
 from .fleet import EncoderFleet
-from .media import DecodedItem
-from .metrics import RouterMetrics
 from .routing import replica_slots, routed_replicas
 from .scheduler import PackScheduler, QueuedItem, packs_in_flight
-from .wire import PackRequest, item_from_wire
 
 logger = logging.getLogger("ray.serve")
 

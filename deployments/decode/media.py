@@ -21,9 +21,9 @@ from transformers.video_utils import VideoMetadata
 from models.processing import InvalidItemError, VisionPreprocessor
 from models.protocol import ItemSpec
 
+from ..config import Limits
+from ..errors import RequestError, item_error
 from . import images, video
-from .config import Limits
-from .errors import RequestError, item_error
 
 ROTATING_ORIENTATIONS = (5, 6, 7, 8)
 """EXIF orientations that swap width and height."""

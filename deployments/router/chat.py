@@ -22,9 +22,9 @@ from fastapi.responses import StreamingResponse
 
 from models.protocol import ItemSpec
 
-from .config import AppConfig, Limits
-from .errors import RequestError, overloaded
-from .media import RawItem
+from ..config import AppConfig, Limits
+from ..decode.media import RawItem
+from ..errors import RequestError, overloaded
 from .prompt_tokens import PromptText, count_text
 from .schemas import ChatMessage, ChatRequest, ImagePart, TextPart
 
@@ -134,7 +134,7 @@ def check_llm(service) -> None:
 
 
 async def _generate_request(service, body: ChatRequest, scope: str | None):
-    from .wire import GenerateRequest
+    from ..wire import GenerateRequest
 
     config = service.config
     if service.llm is None:

@@ -17,8 +17,8 @@ import io
 import numpy as np
 from PIL import Image, ImageOps
 
-from .config import Limits
-from .errors import item_error
+from ..config import Limits
+from ..errors import item_error
 
 # Our pixel limit (`max_image_pixels`) is checked from the header right after `Image.open`,
 # which reads only the header; Pillow's own check would fire first with a less useful error.
