@@ -18,8 +18,8 @@ the ramp stops once a rate overloads the system (p99 TTFT over `--stop-ttft`, er
 than asked). TTFT is the time from sending a request to the first chunk carrying a generated token
 (ours: every chunk carries `token_ids`; vLLM's with `return_token_ids`). Reported per rate: TTFT p50/p99,
 end-to-end p50, answered requests/s and output tokens/s (over the first send to the last answer), and
-each GPU's mean utilisation (nvidia-smi, every 0.5 s); per workload: the highest rate whose p99 TTFT is
-within `--slo-ttft`.
+each GPU's mean utilisation (nvidia-smi, every 0.5 s) and the host cores the servers kept busy (all busy
+cores less the clients'); per workload: the highest rate whose p99 TTFT is within `SLO_TTFT_S`.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ WORKLOADS = {
 }
 SYSTEMS = ("ours", "vllm-dp2")
 OUTPUT_TOKENS = 64
+SLO_TTFT_S = 2.0
+"""The p99 TTFT a rate must keep to count as served (the issue's SLO)."""
 WORDS = (
     "the of and to in is that for it as with was on be by at this from or an are not have which one all were "
     "image river window light market street mountain garden table evening morning city train color shadow "
@@ -286,6 +288,33 @@ class GpuSampler:
         }
 
 
+class CpuSampler:
+    """Host CPU cores busy over a rate, less what the client processes used: the servers' share (their
+    HTTP front, image processing, schedulers), which GPU utilisation does not show."""
+
+    def __init__(self, clients: list[int]):
+        import psutil
+
+        self.processes = [psutil.Process(pid) for pid in clients]
+        self.start = (time.monotonic(), self._busy(psutil.cpu_times()), self._clients())
+
+    @staticmethod
+    def _busy(times) -> float:
+        return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+    def _clients(self) -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in self.processes)
+
+    def stop(self) -> dict:
+        import psutil
+
+        began, busy, clients = self.start
+        seconds = time.monotonic() - began
+        host = (self._busy(psutil.cpu_times()) - busy) / seconds
+        client = (self._clients() - clients) / seconds
+        return {"host_cores": round(host, 1), "client_cores": round(client, 1), "server_cores": round(host - client, 1)}
+
+
 def run_workload(name: str, args, url: str, model: str, extra: dict, log) -> list[dict]:
     """Every rate of the workload in turn, until one overloads the system or time runs out."""
     ctx = mp.get_context("spawn")
@@ -315,11 +344,11 @@ def run_workload(name: str, args, url: str, model: str, extra: dict, log) -> lis
                     }
                 )
             barrier.wait(timeout=300)
-            sampler = GpuSampler()
+            sampler, cpu = GpuSampler(), CpuSampler([worker.pid for worker in workers])
             records = [
                 r for _ in range(args.clients) for r in results.get(timeout=args.seconds + args.request_timeout + 60)
             ]
-            level = summarize(records, rate, args.seconds) | {"gpus": sampler.stop()}
+            level = summarize(records, rate, args.seconds) | {"gpus": sampler.stop(), "cpu": cpu.stop()}
             levels.append(level)
             log(f"{name} {rate:>5}/s: {format_level(level)}")
             if overloaded(level, args.stop_ttft):
@@ -337,6 +366,8 @@ def run_workload(name: str, args, url: str, model: str, extra: dict, log) -> lis
 def format_level(level: dict) -> str:
     p = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     gpus = " ".join(f"{g}:{v['util_pct']:.0f}%" for g, v in level.get("gpus", {}).items())
+    if "cpu" in level:
+        gpus += f" server cores {level['cpu']['server_cores']}"
     return (
         f"{level['answered']}/{level['sent']} answered, {level['requests_per_s']:.2f} req/s, "
         f"{level['output_tokens_per_s']:.0f} out tok/s, "
@@ -480,18 +511,24 @@ def report(out: Path) -> None:
             "",
             f"## {name}",
             "",
-            "| system | rate/s | answered req/s | out tok/s | TTFT p50 s | TTFT p99 s | e2e p50 s | GPU util |",
+            "| system | rate/s | answered req/s | out tok/s | TTFT p50 s | TTFT p99 s | e2e p50 s | GPU util "
+            "| server cores |",
         ]
-        lines.append("|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
         for system, record in records.items():
             for lv in record["workloads"].get(name, []):
                 gpus = " ".join(f"{v['util_pct']:.0f}%" for v in lv["gpus"].values())
                 lines.append(
                     f"| {system} | {lv['rate']} | {lv['requests_per_s']:.2f} | {lv['output_tokens_per_s']:.0f} | "
-                    f"{lv['ttft_p50_s'] or 0:.2f} | {lv['ttft_p99_s'] or 0:.2f} | {lv['e2e_p50_s'] or 0:.2f} | {gpus} |"
+                    f"{lv['ttft_p50_s'] or 0:.2f} | {lv['ttft_p99_s'] or 0:.2f} | {lv['e2e_p50_s'] or 0:.2f} | {gpus} "
+                    f"| {lv.get('cpu', {}).get('server_cores', '-')} |"
                 )
-        at_slo = {s: rate_at_slo(r["workloads"].get(name, []), 2.0) for s, r in records.items()}
-        lines += ["", "Answered requests/s at p99 TTFT <= 2 s: " + ", ".join(f"{s} {v:.2f}" for s, v in at_slo.items())]
+        at_slo = {s: rate_at_slo(r["workloads"].get(name, []), SLO_TTFT_S) for s, r in records.items()}
+        lines += [
+            "",
+            f"Answered requests/s at p99 TTFT <= {SLO_TTFT_S:g} s: "
+            + ", ".join(f"{s} {v:.2f}" for s, v in at_slo.items()),
+        ]
         plot(records, name, out / f"{name}.png")
     (out / "vllm_serving.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -514,7 +551,7 @@ def plot(records: dict, name: str, path: Path) -> None:
             axes[2].plot(
                 rates, [lv["gpus"].get(gpu, {}).get("util_pct") for lv in levels], "o-", label=f"{system} {gpu}"
             )
-    axes[0].axhline(2.0, color="grey", linewidth=0.8)
+    axes[0].axhline(SLO_TTFT_S, color="grey", linewidth=0.8)
     for axis, title in zip(axes, ("TTFT (s)", "output tokens/s", "GPU utilisation (%)")):
         axis.set_xlabel("offered requests/s")
         axis.set_title(f"{name}: {title}")

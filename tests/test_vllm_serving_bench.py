@@ -81,3 +81,18 @@ def test_overloaded_and_rate_at_slo():
     assert overloaded(level(4, 4.0, 0.5, errors=1), 10)
     assert rate_at_slo(levels, 2.0) == 3.9
     assert rate_at_slo([level(2, 2.0, 3.0)], 2.0) == 0.0
+
+
+def test_cpu_sampler_splits_the_hosts_busy_cores_into_clients_and_servers():
+    import os
+    import time
+
+    from benchmarks.vllm_serving_bench import CpuSampler
+
+    sampler = CpuSampler([os.getpid()])  # this process stands in for the clients
+    end = time.process_time() + 0.3
+    while time.process_time() < end:  # keep one core busy
+        pass
+    cpu = sampler.stop()
+    assert cpu["client_cores"] > 0.2
+    assert abs(cpu["server_cores"] - (cpu["host_cores"] - cpu["client_cores"])) <= 0.11  # each rounded to 0.1
