@@ -741,7 +741,7 @@ def test_a_recurring_graph_is_kept_only_if_it_beats_the_plan_on_that_pack(qwen3)
     for _ in range(3):
         assert_matches_reference(reference, pixels, specs, slow_plan.run(pixels, specs))
     assert slow_plan.stats.recurring_captured == 1 and slow_plan.stats.last.recurring
-    assert 0 < next(iter(slow_plan.recurring.entries.values())).replay_ms < 50
+    assert next(iter(slow_plan.recurring.entries.values())).replay_ms > 0  # kept: it beat the plan's time
 
     slow_own = runner_with_costs(WithForward(encoder, slow_when(True, encoder.forward_padded)), lambda budget: 1.0)
     for _ in range(4):
