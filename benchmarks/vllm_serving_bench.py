@@ -300,7 +300,8 @@ class CpuSampler:
 
     @staticmethod
     def _busy(times) -> float:
-        return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+        """Busy seconds of all cores (Linux's guest time is inside `user` already: not added again)."""
+        return sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
 
     def _clients(self) -> float:
         return sum(sum(p.cpu_times()[:2]) for p in self.processes)
@@ -535,11 +536,10 @@ def report(out: Path) -> None:
 
 
 def plot(records: dict, name: str, path: Path) -> None:
-    import matplotlib
+    from benchmarks.common.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    if (plt := pyplot()) is None:
+        return
     figure, axes = plt.subplots(1, 3, figsize=(15, 4))
     for system, record in records.items():
         levels = record["workloads"].get(name, [])

@@ -291,3 +291,15 @@ def test_describe_names_the_engine_and_counts_the_handoff(app, family):
     described = serve.get_deployment_handle("VLLMReplica", app_name(family)).describe.remote().result()
     assert described["engine"] == "vllm" and described["family"] == family.replace(".", "_").replace("-", "_")
     assert described["handoff_images"] >= 1 and described["handoff_bytes_per_image"] > 0
+
+
+def test_ignore_eos_reaches_vllms_sampling_params():
+    """Chat's `ignore_eos` (vLLM's own extension, which benchmarks use to fix the answer length)
+    becomes vLLM's `SamplingParams.ignore_eos`; off unless asked."""
+    from dataclasses import replace
+
+    from deployments.llm.vllm_engine import sampling_params
+
+    request = GenerateRequest(messages=[], embeddings=[], grids=[], max_tokens=8)
+    assert sampling_params(request, {}).ignore_eos is False
+    assert sampling_params(replace(request, ignore_eos=True), {}).ignore_eos is True
