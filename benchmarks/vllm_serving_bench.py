@@ -13,13 +13,15 @@ model runner that uses them). Workloads (every image unique, so neither side's c
 - image-heavy: 1-4 JPEG photos from 448x448 to 1920x1080 and a short question;
 - image-light: one 224x224 photo and 1,000-2,000 tokens of text.
 Each answer is 64 tokens (`ignore_eos`), greedy. Arrivals are Poisson at each rate of `--rates` in turn for
-`--seconds` (client processes share the rate); a rate's requests all finish before the next begins, and
-the ramp stops once a rate overloads the system (p99 TTFT over `--stop-ttft`, errors, or fewer answers
-than asked). TTFT is the time from sending a request to the first chunk carrying a generated token
-(ours: every chunk carries `token_ids`; vLLM's with `return_token_ids`). Reported per rate: TTFT p50/p99,
+`--seconds` (client processes share the rate; `--merge` keeps a system's saved rates not measured again);
+a rate's requests all finish before the next begins, and the ramp stops once a rate overloads the system
+(p99 TTFT over `--stop-ttft`, errors, or fewer answers than asked). TTFT is the time from sending a
+request to the first chunk carrying a generated token (ours: every chunk carries `token_ids`; vLLM's with
+`return_token_ids`). Reported per rate: TTFT p50/p99,
 end-to-end p50, answered requests/s and output tokens/s (over the first send to the last answer), and
 each GPU's mean utilisation (nvidia-smi, every 0.5 s) and the host cores the servers kept busy (all busy
-cores less the clients'); per workload: the highest rate whose p99 TTFT is within `SLO_TTFT_S`.
+cores less the clients'); per workload: the answered requests/s of the highest rate up to which every rate
+kept its p99 TTFT within `SLO_TTFT_S`.
 """
 
 from __future__ import annotations
@@ -32,11 +34,9 @@ import json
 import multiprocessing as mp
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import zlib
 from pathlib import Path
@@ -153,6 +153,7 @@ def summarize(records: list[dict], rate: float, seconds: float) -> dict:
     ttft = [r["ttft"] for r in ok]
     return {
         "rate": rate,
+        "seconds": seconds,
         "sent": len(records),
         "answered": len(ok),
         "errors": len(records) - len(ok),
@@ -177,11 +178,40 @@ def overloaded(level: dict, stop_ttft: float) -> bool:
 
 
 def rate_at_slo(levels: list[dict], slo_ttft: float) -> float:
-    """Answered requests/s of the highest rate whose p99 TTFT is within `slo_ttft`, errors none (0: no rate)."""
-    passing = [
-        lv for lv in levels if lv["errors"] == 0 and lv["ttft_p99_s"] is not None and lv["ttft_p99_s"] <= slo_ttft
-    ]
-    return max((lv["requests_per_s"] for lv in passing), default=0.0)
+    """Answered requests/s at the highest rate below which every rate kept its p99 TTFT within `slo_ttft`
+    without errors (0: not even the lowest): a rate that passes above one that failed is noise, not capacity."""
+    served = 0.0
+    for lv in sorted(levels, key=lambda lv: lv["rate"]):
+        if lv["errors"] or lv["ttft_p99_s"] is None or lv["ttft_p99_s"] > slo_ttft:
+            break
+        served = max(served, lv["requests_per_s"])
+    return served
+
+
+def parse_rates(entries: list[str] | None, workloads: list[str]) -> dict[str, list[float] | None]:
+    """`--rates`: plain numbers for every workload, or `WORKLOAD=R1,R2,...` for one; a workload
+    given none runs its default rates (None)."""
+    rates: dict[str, list[float] | None] = dict.fromkeys(workloads)
+    for entry in entries or []:
+        name, _, values = entry.rpartition("=")
+        if name and name not in workloads:
+            raise ValueError(f"--rates {entry}: {name} is not one of the workloads run ({', '.join(workloads)})")
+        for workload in [name] if name else workloads:
+            rates[workload] = (rates[workload] or []) + [number(v) for v in values.split(",") if v]
+    return rates
+
+
+def number(text: str) -> float:
+    """A rate as given: whole numbers stay ints, so a rate's requests (seeded by its text) match earlier runs'."""
+    value = float(text)
+    return int(value) if value.is_integer() else value
+
+
+def merge_levels(kept: list[dict], measured: list[dict]) -> list[dict]:
+    """A workload's levels after a re-measure of some rates: the new ones replace those at their rates,
+    the others stay (each level records its own `seconds`), in rate order."""
+    rates = {lv["rate"] for lv in measured}
+    return sorted([lv for lv in kept if lv["rate"] not in rates] + measured, key=lambda lv: lv["rate"])
 
 
 # ---- the load: client processes, one asyncio loop each ----
@@ -248,76 +278,10 @@ async def stream_chat(session, url: str, body: dict, record: dict, start: float)
                     record["ttft"] = time.monotonic() - start - record["sent"]
 
 
-class GpuSampler:
-    """Each GPU's utilisation and memory, from nvidia-smi every 0.5 s, while running."""
-
-    def __init__(self):
-        self.samples: list[list[float]] = []
-        if shutil.which("nvidia-smi") is None:  # no GPU here: no samples
-            self.process = subprocess.Popen(["sleep", "0"], stdout=subprocess.PIPE, text=True)
-            return
-        self.process = subprocess.Popen(
-            [
-                "nvidia-smi",
-                "--query-gpu=index,utilization.gpu,memory.used",
-                "--format=csv,noheader,nounits",
-                "-lms",
-                "500",
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            try:
-                self.samples.append([float(v) for v in line.split(",")])
-            except ValueError:
-                pass
-
-    def stop(self) -> dict:
-        self.process.terminate()
-        gpus = sorted({int(s[0]) for s in self.samples})
-        return {
-            f"gpu{g}": {
-                "util_pct": round(float(np.mean([s[1] for s in self.samples if s[0] == g])), 1),
-                "mem_gib": round(max(s[2] for s in self.samples if s[0] == g) / 1024, 1),
-            }
-            for g in gpus
-        }
-
-
-class CpuSampler:
-    """Host CPU cores busy over a rate, less what the client processes used: the servers' share (their
-    HTTP front, image processing, schedulers), which GPU utilisation does not show."""
-
-    def __init__(self, clients: list[int]):
-        import psutil
-
-        self.processes = [psutil.Process(pid) for pid in clients]
-        self.start = (time.monotonic(), self._busy(psutil.cpu_times()), self._clients())
-
-    @staticmethod
-    def _busy(times) -> float:
-        """Busy seconds of all cores (Linux's guest time is inside `user` already: not added again)."""
-        return sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
-
-    def _clients(self) -> float:
-        return sum(sum(p.cpu_times()[:2]) for p in self.processes)
-
-    def stop(self) -> dict:
-        import psutil
-
-        began, busy, clients = self.start
-        seconds = time.monotonic() - began
-        host = (self._busy(psutil.cpu_times()) - busy) / seconds
-        client = (self._clients() - clients) / seconds
-        return {"host_cores": round(host, 1), "client_cores": round(client, 1), "server_cores": round(host - client, 1)}
-
-
 def run_workload(name: str, args, url: str, model: str, extra: dict, log) -> list[dict]:
     """Every rate of the workload in turn, until one overloads the system or time runs out."""
+    from benchmarks.common.utilisation import CpuSampler, GpuSampler
+
     ctx = mp.get_context("spawn")
     jobs, results = [ctx.Queue() for _ in range(args.clients)], ctx.Queue()
     barrier = ctx.Barrier(args.clients + 1)
@@ -329,7 +293,7 @@ def run_workload(name: str, args, url: str, model: str, extra: dict, log) -> lis
         worker.start()
     levels = []
     try:
-        for rate in args.rates or WORKLOADS[name]["rates"]:
+        for rate in args.rates.get(name) or WORKLOADS[name]["rates"]:
             if time.monotonic() > args.deadline - args.seconds - 30:
                 log(f"{name}: stopping before {rate}/s: time limit")
                 break
@@ -479,16 +443,19 @@ def measure(system: str, args, out: Path) -> None:
             file.write(line + "\n")
 
     started = time.monotonic()
+    path = out / f"{system}.json"
+    kept = json.loads(path.read_text())["workloads"] if args.merge and path.exists() else {}
     process, url, model, extra = start_system(system, args, out, log)
     record = {"system": system, "environment": environment(), "startup_s": round(time.monotonic() - started, 1)}
-    record["workloads"] = {}
+    record["workloads"] = dict(kept)
     try:
         for name in args.workloads:
             # a few requests of the workload first: its first images and prompt lengths reach both sides
-            run_warmup = argparse.Namespace(**{**vars(args), "rates": [1], "seconds": 5})
+            run_warmup = argparse.Namespace(**{**vars(args), "rates": {name: [1]}, "seconds": 5})
             run_workload(name, run_warmup, url, model, extra, lambda line: log("warm-up " + line))
-            record["workloads"][name] = run_workload(name, args, url, model, extra, log)
-            (out / f"{system}.json").write_text(json.dumps(record, indent=1))
+            measured = run_workload(name, args, url, model, extra, log)
+            record["workloads"][name] = merge_levels(kept.get(name, []), measured)
+            path.write_text(json.dumps(record, indent=1))
     finally:
         stop_system(process)
     report(out)
@@ -512,15 +479,16 @@ def report(out: Path) -> None:
             "",
             f"## {name}",
             "",
-            "| system | rate/s | answered req/s | out tok/s | TTFT p50 s | TTFT p99 s | e2e p50 s | GPU util "
-            "| server cores |",
+            "| system | rate/s | window s | answered req/s | out tok/s | TTFT p50 s | TTFT p99 s | e2e p50 s "
+            "| GPU util | server cores |",
         ]
-        lines.append("|---|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
         for system, record in records.items():
             for lv in record["workloads"].get(name, []):
                 gpus = " ".join(f"{v['util_pct']:.0f}%" for v in lv["gpus"].values())
                 lines.append(
-                    f"| {system} | {lv['rate']} | {lv['requests_per_s']:.2f} | {lv['output_tokens_per_s']:.0f} | "
+                    f"| {system} | {lv['rate']} | {lv.get('seconds', 15):g} | {lv['requests_per_s']:.2f} | "
+                    f"{lv['output_tokens_per_s']:.0f} | "
                     f"{lv['ttft_p50_s'] or 0:.2f} | {lv['ttft_p99_s'] or 0:.2f} | {lv['e2e_p50_s'] or 0:.2f} | {gpus} "
                     f"| {lv.get('cpu', {}).get('server_cores', '-')} |"
                 )
@@ -568,7 +536,12 @@ def main() -> None:
     parser.add_argument("--systems", default="ours,vllm-dp2")
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "epd-vllm.yaml", help="ours: the E/PD config")
     parser.add_argument("--workloads", default="image-heavy,image-light")
-    parser.add_argument("--rates", type=float, nargs="*", help="requests/s in turn (default: the workload's)")
+    parser.add_argument(
+        "--rates", nargs="*", help="requests/s in turn: numbers for every workload or WORKLOAD=R1,R2 (default: its own)"
+    )
+    parser.add_argument(
+        "--merge", action="store_true", help="keep the system's saved levels at rates not measured again"
+    )
     parser.add_argument("--seconds", type=float, default=15, help="each rate's arrivals")
     parser.add_argument("--clients", type=int, default=4, help="client processes sharing each rate")
     parser.add_argument("--stop-ttft", type=float, default=10.0)
@@ -585,6 +558,7 @@ def main() -> None:
         return
     args.deadline = time.monotonic() + args.time_limit
     args.workloads = args.workloads.split(",")
+    args.rates = parse_rates(args.rates, args.workloads)
     for system in args.systems.split(","):
         assert system in SYSTEMS, f"{system}: one of {SYSTEMS}"
         measure(system, args, args.out)

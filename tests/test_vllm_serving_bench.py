@@ -5,12 +5,15 @@ import io
 import random
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from benchmarks.vllm_serving_bench import (
     WORKLOADS,
     arrivals,
+    merge_levels,
     overloaded,
+    parse_rates,
     photo,
     rate_at_slo,
     request_body,
@@ -81,13 +84,31 @@ def test_overloaded_and_rate_at_slo():
     assert overloaded(level(4, 4.0, 0.5, errors=1), 10)
     assert rate_at_slo(levels, 2.0) == 3.9
     assert rate_at_slo([level(2, 2.0, 3.0)], 2.0) == 0.0
+    # a rate that passes above one that failed is noise, not capacity; the order given does not matter
+    assert rate_at_slo([level(12, 11.8, 1.9), level(4, 3.9, 1.5), level(8, 7.6, 2.4)], 2.0) == 3.9
+
+
+def test_rates_per_workload_and_merged_levels():
+    workloads = ["image-heavy", "image-light"]
+    assert parse_rates(None, workloads) == {"image-heavy": None, "image-light": None}
+    assert parse_rates(["8", "16"], workloads) == {"image-heavy": [8, 16], "image-light": [8, 16]}
+    rates = parse_rates(["image-heavy=6,8,10", "image-light=16,24.5"], workloads)
+    assert rates == {"image-heavy": [6, 8, 10], "image-light": [16, 24.5]}
+    assert all(type(r) is int for r in rates["image-heavy"])  # 8, not 8.0: the seeds of a rate's requests match
+    with pytest.raises(ValueError, match="video-heavy"):
+        parse_rates(["video-heavy=4"], workloads)
+    kept = [{"rate": r, "seconds": 15, "old": True} for r in (1, 2, 4, 8, 12)]
+    measured = [{"rate": r, "seconds": 30} for r in (6, 8, 10)]
+    merged = merge_levels(kept, measured)
+    assert [lv["rate"] for lv in merged] == [1, 2, 4, 6, 8, 10, 12]
+    assert [lv["seconds"] for lv in merged] == [15, 15, 15, 30, 30, 30, 15]
 
 
 def test_cpu_sampler_splits_the_hosts_busy_cores_into_clients_and_servers():
     import os
     import time
 
-    from benchmarks.vllm_serving_bench import CpuSampler
+    from benchmarks.common.utilisation import CpuSampler
 
     sampler = CpuSampler([os.getpid()])  # this process stands in for the clients
     end = time.process_time() + 0.3
