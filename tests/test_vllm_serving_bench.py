@@ -84,8 +84,10 @@ def test_overloaded_and_rate_at_slo():
     assert overloaded(level(4, 4.0, 0.5, errors=1), 10)
     assert rate_at_slo(levels, 2.0) == 3.9
     assert rate_at_slo([level(2, 2.0, 3.0)], 2.0) == 0.0
-    # a rate that passes above one that failed is noise, not capacity; the order given does not matter
-    assert rate_at_slo([level(12, 11.8, 1.9), level(4, 3.9, 1.5), level(8, 7.6, 2.4)], 2.0) == 3.9
+    # the first reading stops at the first rate that failed; the order given does not matter
+    noisy = [level(12, 11.8, 1.9), level(4, 3.9, 1.5), level(8, 7.6, 2.4)]
+    assert rate_at_slo(noisy, 2.0) == 3.9
+    assert rate_at_slo(noisy, 2.0, every_below=False) == 11.8
 
 
 def test_rates_per_workload_and_merged_levels():
