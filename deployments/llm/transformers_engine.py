@@ -13,6 +13,7 @@ replica that produced them (the router only forwards the references).
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 import time
@@ -203,11 +204,13 @@ class LLMReplica:
                 if request.seed is not None:
                     torch.manual_seed(request.seed)
                 sampling = {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p}
+            if request.ignore_eos:  # vLLM's meaning: an end-of-sequence token is generated like any other, not a stop
+                sampling["generation_config"] = copy.deepcopy(self.model.generation_config)
+                sampling["generation_config"].eos_token_id = []  # not None: generate fills None from the model's
             try:
                 out = self.model.generate(
                     **inputs,
                     max_new_tokens=request.max_tokens,
-                    min_new_tokens=request.max_tokens if request.ignore_eos else None,
                     streamer=streamer,
                     pad_token_id=self.tokenizer.pad_token_id,
                     stopping_criteria=StoppingCriteriaList([StopWhenSet(cancelled or threading.Event())]),
@@ -235,7 +238,7 @@ class LLMReplica:
             raise
         ids = new.tolist()
         eos = self.tokenizer.convert_tokens_to_ids(self.tokenizer.eos_token)
-        finish = "stop" if ids and ids[-1] == eos else "length"
+        finish = "stop" if ids and ids[-1] == eos and not request.ignore_eos else "length"
         return GenerateResult(
             token_ids=ids,
             text=self.tokenizer.decode(ids, skip_special_tokens=True),
@@ -293,7 +296,7 @@ class LLMReplica:
             "prompt_tokens": prompt.shape[1],
             "completion_tokens": len(ids),
             "vision_tokens": sum(t * h * w // self.merge_unit for t, h, w in request.grids),
-            "finish_reason": "stop" if ids and ids[-1] == eos else "length",
+            "finish_reason": "stop" if ids and ids[-1] == eos and not request.ignore_eos else "length",
             "handoff": handoff,
         }
 
