@@ -1,13 +1,14 @@
 """The deployment a user would choose, on two GPUs: E/PD (our encoder replica feeding one vLLM replica by
-reference) against vLLM alone with data parallelism 2, open loop at rising request rates.
+reference, or both on each GPU) against vLLM alone with data parallelism 2, open loop at rising rates.
 
     python benchmarks/vllm_serving_bench.py --checkpoint /tmp/qwen3-vl-8b-random --systems ours --out DIR
     python benchmarks/vllm_serving_bench.py --checkpoint /tmp/qwen3-vl-8b-random --systems vllm-dp2 --out DIR
     python benchmarks/vllm_serving_bench.py --report --out DIR      # the table and plots of what DIR holds
 
-Both systems serve the same checkpoint (`python -m models.tiny_checkpoint qwen3-vl DIR --preset qwen3-vl-8b
+All systems serve the same checkpoint (`python -m models.tiny_checkpoint qwen3-vl DIR --preset qwen3-vl-8b
 --device cuda`) through their OpenAI chat API and get the same requests: `ours` is `serve run` of
-configs/epd-vllm.yaml pointed at it (one encoder replica on one GPU, one `VLLMReplica` on the other);
+configs/epd-vllm.yaml pointed at it (one encoder replica on one GPU, one `VLLMReplica` on the other),
+`ours-colocated` of configs/epd-vllm-colocated.yaml (a `ColocatedReplica`, encoder and vLLM, on each GPU);
 `vllm-dp2` is `vllm serve --data-parallel-size 2` with its ViT CUDA graphs on (`cudagraph_mm_encoder`, the V1
 model runner that uses them). Workloads (every image unique, so neither side's caches hit):
 - image-heavy: 1-4 JPEG photos from 448x448 to 1920x1080 and a short question;
@@ -61,7 +62,9 @@ WORKLOADS = {
         "rates": [2, 4, 8, 16, 24, 32, 48],
     },
 }
-SYSTEMS = ("ours", "vllm-dp2")
+SYSTEMS = ("ours", "ours-colocated", "vllm-dp2")
+OURS = {"ours": "epd-vllm.yaml", "ours-colocated": "epd-vllm-colocated.yaml"}
+"""Our systems' configs: encoder and LLM on a GPU each, or both on every GPU (`llm.colocate`)."""
 OUTPUT_TOKENS = 64
 SLO_TTFT_S = 2.0
 """The p99 TTFT a rate must keep to count as served (the issue's SLO)."""
@@ -349,7 +352,7 @@ def format_level(level: dict) -> str:
 # ---- the systems ----
 
 
-def ours_config(base: Path, checkpoint: str, out: Path, port: int) -> Path:
+def ours_config(base: Path, checkpoint: str, out: Path, port: int, system: str = "ours") -> Path:
     """`base` (an E/PD config) serving the checkpoint on both sides, answers of 64 tokens at most."""
     config = yaml.safe_load(base.read_text())
     config["http_options"]["port"] = port
@@ -358,7 +361,7 @@ def ours_config(base: Path, checkpoint: str, out: Path, port: int) -> Path:
     if args["llm"].get("engine") == "vllm":
         args["llm"]["engine_kwargs"]["max_model_len"] = 16384
     args["llm"]["max_tokens"] = OUTPUT_TOKENS
-    path = out / "ours-config.yaml"
+    path = out / f"{system}-config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
@@ -366,14 +369,14 @@ def ours_config(base: Path, checkpoint: str, out: Path, port: int) -> Path:
 def start_system(system: str, args, out: Path, log):
     """The system's server process (own process group), its URL, its chat model name, extra request fields."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    if system == "ours":
+    if system in OURS:
         port = 8000
         command = [
             sys.executable,
             "-m",
             "ray.serve.scripts",
             "run",
-            str(ours_config(args.config, args.checkpoint, out, port)),
+            str(ours_config(args.config or ROOT / "configs" / OURS[system], args.checkpoint, out, port, system)),
         ]
         extra = {}
     else:
@@ -414,7 +417,7 @@ def wait_ready(system: str, url: str, process, timeout: float, log) -> str:
             content = [image, {"type": "text", "text": "Hi"}]  # an image: the router meets the encoders
             body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
             if httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200:
-                if system != "ours" or encoder_warm(url, ids[0]):
+                if system not in OURS or encoder_warm(url, ids[0]):
                     log(f"{system}: ready after {time.monotonic() - start:.0f} s")
                     return model
         except Exception:  # noqa: BLE001 - not up yet
@@ -545,7 +548,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", help="the checkpoint both systems serve")
     parser.add_argument("--systems", default="ours,vllm-dp2")
-    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "epd-vllm.yaml", help="ours: the E/PD config")
+    parser.add_argument("--config", type=Path, help="our systems: another E/PD config than `OURS` names")
     parser.add_argument("--workloads", default="image-heavy,image-light")
     parser.add_argument(
         "--rates", nargs="*", help="requests/s in turn: numbers for every workload or WORKLOAD=R1,R2 (default: its own)"

@@ -265,6 +265,13 @@ class LLMSettings(_Strict):
         description="Longest prompt (text and vision tokens) a chat request may have: counted by the router "
         "with the LLM's tokenizer once its images are inspected, before any is decoded (413 above).",
     )
+    colocate: bool = Field(
+        False,
+        description="One deployment, `ColocatedReplica`, runs an encoder and this LLM in each replica (one GPU "
+        "each) instead of `EncoderReplica`s beside LLM replicas: every GPU encodes and generates, where a split "
+        "leaves the LLM part of the GPUs while the encoders idle on little vision. Replicas scale by the "
+        "encoder's token policy; vLLM's `gpu_memory_utilization` must leave the encoder its memory.",
+    )
 
     @property
     def model_id(self) -> str:
@@ -294,6 +301,11 @@ class LLMSettings(_Strict):
         return self
 
 
+MAX_COLOCATED_SHARE = 0.85
+"""The largest share of a GPU vLLM may take beside an encoder (`llm.colocate`): an 8B tower's weights,
+graphs and packs need ~6-10 GB, 7-12% of an 80 GB GPU."""
+
+
 class AppConfig(_Strict):
     """Arguments of `deployments.app:build_app` (the YAML's `args`)."""
 
@@ -317,6 +329,23 @@ class AppConfig(_Strict):
                 "llm.engine 'vllm' serves llm.path's weights: the encoders must run that checkpoint's tower; "
                 f"set model.path to it too (now model.preset={self.model.preset!r})"
             )
+        if self.llm is not None and self.llm.colocate:
+            if self.llm.device != self.model.device:
+                raise ValueError(
+                    f"llm.colocate runs the LLM in the encoder replicas: llm.device {self.llm.device!r} must be "
+                    f"model.device {self.model.device!r}"
+                )
+            share = self.llm.engine_kwargs.get("gpu_memory_utilization")
+            if (
+                self.llm.engine == "vllm"
+                and self.llm.device == "cuda"
+                and (share is None or share > MAX_COLOCATED_SHARE)
+            ):
+                raise ValueError(
+                    f"llm.colocate with vLLM: set llm.engine_kwargs.gpu_memory_utilization to at most "
+                    f"{MAX_COLOCATED_SHARE} (now {share if share is not None else 'unset: vLLM takes 0.9'}), so that "
+                    "the encoder in the same replica keeps its weights, graphs and activations on the GPU"
+                )
         if self.llm is not None and self.model.path is None and self.llm.path is None:
             if self.llm.family != self.model.family:
                 raise ValueError(

@@ -13,6 +13,8 @@ LLM_ENGINES = {
     "vllm": "deployments.llm.vllm_engine.VLLMReplica",
 }
 """The LLM deployment's class per `llm.engine`."""
+COLOCATED = "deployments.colocated.replica.ColocatedReplica"
+"""With `llm.colocate`: encoder and LLM in one deployment."""
 
 
 def name_of(import_path: str) -> str:
@@ -21,6 +23,9 @@ def name_of(import_path: str) -> str:
 
 
 def deployment_names(config) -> list[str]:
-    """The names of the deployments an `AppConfig` builds: router, encoder, and the LLM's if set."""
+    """The names of the deployments an `AppConfig` builds: router, encoder, and the LLM's if set
+    (one deployment for both with `llm.colocate`)."""
+    if config.llm is not None and config.llm.colocate:
+        return [name_of(ROUTER), name_of(COLOCATED)]
     paths = [ROUTER, ENCODER] + ([] if config.llm is None else [LLM_ENGINES[config.llm.engine]])
     return [name_of(path) for path in paths]

@@ -64,16 +64,20 @@ class ServeHarness:
         route_prefix: str | None = None,
         deployments: dict[str, dict] | None = None,
         wait: bool = True,
+        deployment_entries: list[dict] | None = None,
         **overrides,
     ) -> str:
         """Deploy the YAML's (first) application; returns its base URL. `overrides` merge into its
-        `args`; `deployments` merges Serve options into its `deployments:` entries by name.
-        `wait=False`: return at once (for applications that are meant to fail)."""
+        `args`; `deployments` merges Serve options into its `deployments:` entries by name, and
+        `deployment_entries` replaces those entries first. `wait=False`: return at once (for
+        applications that are meant to fail)."""
         config = yaml.safe_load((ROOT / yaml_path).read_text())
         app = dict(config["applications"][0])
         app["name"] = name or app["name"]
         app["route_prefix"] = route_prefix or app.get("route_prefix", "/")
         app["args"] = _merge(app.get("args", {}), overrides)
+        if deployment_entries is not None:
+            app["deployments"] = deployment_entries
         for entry in app.get("deployments", []):
             entry.update((deployments or {}).get(entry["name"], {}))
         schema = ServeApplicationSchema.model_validate(app)

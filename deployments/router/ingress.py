@@ -111,7 +111,9 @@ class EncoderRouter:
         self._detail_task: asyncio.Future | None = None
         self._stop_gauges: threading.Event | None = None
         self.fleet = EncoderFleet(
-            serve.get_replica_context().app_name, llm=None if llm is None else llm.deployment_name
+            serve.get_replica_context().app_name,
+            deployment=encoder.deployment_name,  # `ColocatedReplica` where one deployment serves both
+            llm=None if llm is None else llm.deployment_name,
         )
         self.fleet.start(FIRST_READING_S)  # later readings come in the background
         self._loop = asyncio.get_running_loop()  # the replica's event loop, where the embedding cache lives

@@ -6,10 +6,13 @@ in-flight tokens through `record_routing_stats`; this router also counts the tok
 sent itself and has not seen complete, which is exact and immediate for this caller. The
 load of a replica is the larger of the two (reports are periodic and cover other callers).
 The same reports carry each replica's warm-up, which `replica_reports` gives `/v1/models`.
+Replicas that also generate (`llm.colocate`) get each generation where the fewest are in
+flight, counted the same two ways, ties broken at random.
 """
 
 from __future__ import annotations
 
+import random
 import time
 import weakref
 from collections import defaultdict
@@ -19,6 +22,14 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 
 COUNT_EXPIRY_S = 600.0
 """Longer than any pack takes (requests time out after `router.request_timeout_s`, 120 s by default)."""
+
+
+GENERATE_METHODS = ("generate", "generate_stream")
+
+
+def is_generation(pending_request: Optional[PendingRequest]) -> bool:
+    """A request for the LLM of a colocated replica, not a pack."""
+    return pending_request is not None and pending_request.metadata.call_method in GENERATE_METHODS
 
 
 def pack_tokens(pending_request: Optional[PendingRequest]) -> int:
@@ -64,6 +75,8 @@ class FewestQueuedTokensRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, **kwargs) -> None:
         self._sent_tokens: dict[ReplicaID, int] = defaultdict(int)
         self._by_request: dict[str, tuple[ReplicaID, int, float]] = {}
+        self._generating: dict[ReplicaID, int] = defaultdict(int)
+        self._generations: dict[str, tuple[ReplicaID, float]] = {}
         # Serve pickles this class by value, module globals with it: the registry `replica_reports`
         # reads is the imported module's, not this copy's.
         from deployments.router import routing
@@ -74,9 +87,16 @@ class FewestQueuedTokensRouter(FIFOMixin, RequestRouter):
         reported = int((replica.routing_stats or {}).get("queued_tokens", 0))
         return max(reported, self._sent_tokens[replica.replica_id])
 
+    def generating(self, replica: RunningReplica) -> int:
+        reported = int((replica.routing_stats or {}).get("generating", 0))
+        return max(reported, self._generating[replica.replica_id])
+
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: Optional[PendingRequest] = None
     ) -> list[list[RunningReplica]]:
+        if is_generation(pending_request):
+            shuffled = random.sample(candidate_replicas, len(candidate_replicas))
+            return [[r] for r in sorted(shuffled, key=lambda r: (self.generating(r), self.load(r)))]
         ranked = sorted(candidate_replicas, key=self.load)
         if ranked and pending_request is not None:
             # A pack sent with `choose_replica` / `dispatch` (the encode queue's way) never reaches
@@ -87,10 +107,23 @@ class FewestQueuedTokensRouter(FIFOMixin, RequestRouter):
         return [[replica] for replica in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        if is_generation(pending_request):
+            now = time.monotonic()
+            for stale in [r for r, (_, at) in self._generations.items() if now - at > COUNT_EXPIRY_S]:
+                self._end_generation(stale)
+            self._generations[pending_request.metadata.internal_request_id] = (replica_id, now)
+            self._generating[replica_id] += 1
+            return
         self._count(pending_request, replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._end_generation(internal_request_id)
         self._release(internal_request_id)
+
+    def _end_generation(self, request_id: str) -> None:
+        routed = self._generations.pop(request_id, None)
+        if routed is not None:
+            self._generating[routed[0]] -= 1
 
     def _release(self, request_id: str) -> None:
         routed = self._by_request.pop(request_id, None)

@@ -125,12 +125,13 @@ def test_every_shipped_config_validates_and_names_our_deployments():
 
     from ray.serve.schema import ServeDeploySchema
 
+    from deployments.colocated.replica import ColocatedReplica
     from deployments.encoder.replica import EncoderReplica
     from deployments.llm.transformers_engine import LLMReplica
     from deployments.llm.vllm_engine import VLLMReplica
     from deployments.router.ingress import EncoderRouter
 
-    ours = {d.__name__ for d in (EncoderReplica, EncoderRouter, LLMReplica, VLLMReplica)}
+    ours = {d.__name__ for d in (ColocatedReplica, EncoderReplica, EncoderRouter, LLMReplica, VLLMReplica)}
     paths = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
     assert len(paths) >= 6
     for path in paths:

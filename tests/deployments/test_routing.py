@@ -19,7 +19,14 @@ def replica(name: str, reported: int = 0):
 
 def pack(request_id: str, tokens: int):
     return SimpleNamespace(
-        args=[SimpleNamespace(tokens=tokens)], metadata=SimpleNamespace(internal_request_id=request_id)
+        args=[SimpleNamespace(tokens=tokens)],
+        metadata=SimpleNamespace(internal_request_id=request_id, call_method="encode_pack"),
+    )
+
+
+def generation(request_id: str, method: str = "generate"):
+    return SimpleNamespace(
+        args=[SimpleNamespace()], metadata=SimpleNamespace(internal_request_id=request_id, call_method=method)
     )
 
 
@@ -84,3 +91,26 @@ def test_replica_slots_sum_each_replica_once_over_this_processs_routers(monkeypa
     second._replicas = {"b": SimpleNamespace(max_ongoing_requests=4)}
     routing._ROUTERS.update({first, second})
     assert replica_slots() == 12
+
+
+def test_generations_of_colocated_replicas_go_where_fewest_are_in_flight():
+    """`llm.colocate`: generations spread by those in flight (this router's and the replicas' reports),
+    ties at random, and leave the pack token counts alone."""
+    chooser, a, b = router(), replica("a"), replica("b")
+    firsts = set()
+    for i in range(40):  # nothing in flight: a tie, broken at random
+        firsts.add(asyncio.run(chooser.choose_replicas([a, b], generation(f"tie{i}")))[0][0].replica_id)
+    assert firsts == {"a", "b"}
+    chosen = []
+    for i, method in enumerate(["generate", "generate_stream", "generate", "generate_stream"]):
+        request = generation(f"g{i}", method)
+        target = asyncio.run(chooser.choose_replicas([a, b], request))[0][0]
+        chooser.on_request_routed(request, target.replica_id, None)
+        chosen.append(target.replica_id)
+    assert sorted(chosen) == ["a", "a", "b", "b"]  # each went where fewer were in flight
+    assert chooser.load(a) == chooser.load(b) == 0  # generations hold no pack tokens
+    busy = SimpleNamespace(replica_id="busy", routing_stats={"queued_tokens": 0, "generating": 30})
+    assert asyncio.run(chooser.choose_replicas([busy, a], generation("next")))[0][0] is a  # reports count too
+    for i, replica_id in enumerate(chosen):
+        chooser.on_request_completed(replica_id, f"g{i}")
+    assert chooser.generating(a) == chooser.generating(b) == 0

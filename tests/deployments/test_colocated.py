@@ -1,0 +1,90 @@
+"""`llm.colocate`: configs/epd.yaml with encoder and LLM in one deployment (`ColocatedReplica`, two
+replicas), against transformers: its chats' greedy ids equal the monolithic `generate`, its encodes
+equal transformers' tower, and the application has no other deployment."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import OpenAI
+from ray import serve
+
+from deployments.config import AppConfig
+from deployments.deployment_names import deployment_names
+from models import from_checkpoint
+from models.tiny_checkpoint import save_tiny_vlm
+from tests.deployments.media_helpers import b64, decode_embedding, image_file, reference_image
+from tests.deployments.test_epd import IMAGES, PROMPTS, monolithic_ids, openai_messages
+from tests.helpers import reference_tower, relative_error
+
+NAME = "epd-colocated"
+CPU = {"num_cpus": 0, "num_gpus": 0}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("qwen3-vl")
+    save_tiny_vlm("qwen3-vl", directory, seed=11)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def url(serve_harness, checkpoint):
+    model = {"family": "qwen3-vl", "path": checkpoint}
+    url = serve_harness.deploy(
+        "configs/epd.yaml",
+        name=NAME,
+        route_prefix=f"/{NAME}",
+        deployment_entries=[
+            {"name": "EncoderRouter", "num_replicas": 1, "ray_actor_options": CPU},
+            {"name": "ColocatedReplica", "num_replicas": 2, "ray_actor_options": CPU},
+        ],
+        model=model,
+        llm={**model, "colocate": True},
+    )
+    yield url
+    serve.delete(NAME)
+    serve_harness.apps.pop(NAME)
+
+
+def test_one_deployment_serves_both_sides(url):
+    deployments = serve.status().applications[NAME].deployments
+    assert sorted(deployments) == ["ColocatedReplica", "EncoderRouter"]
+    assert all(d.status == "HEALTHY" for d in deployments.values())
+
+
+@pytest.mark.parametrize("count", sorted(PROMPTS))
+def test_chat_greedy_ids_equal_monolithic_generate(url, checkpoint, count):
+    client = OpenAI(base_url=url + "/v1", api_key="unused")
+    served = client.models.list().data[-1].id
+    for _ in range(2):  # two replicas: either may answer
+        reply = client.chat.completions.create(
+            model=served, messages=openai_messages(PROMPTS[count]), max_tokens=16, temperature=0
+        )
+        assert reply.choices[0].model_extra["token_ids"] == monolithic_ids(checkpoint, "qwen3-vl", PROMPTS[count])
+
+
+def test_encodes_equal_transformers_tower(url, checkpoint):
+    encoder = from_checkpoint(checkpoint, "qwen3-vl")
+    tower = reference_tower(encoder)
+    data = image_file(IMAGES[2], "PNG")
+    response = httpx.post(url + "/v1/encode", json={"items": [{"type": "image", "image": b64(data)}]}, timeout=120)
+    assert response.status_code == 200, response.text
+    (entry,) = response.json()["data"]
+    tokens, _, grid = reference_image(encoder, tower, data)
+    assert entry["grid_thw"] == grid
+    assert relative_error(decode_embedding(entry), tokens) <= 1e-4
+
+
+def test_colocation_is_validated_before_anything_starts():
+    both = AppConfig(llm={"colocate": True})
+    assert deployment_names(both) == ["EncoderRouter", "ColocatedReplica"]
+    with pytest.raises(ValueError, match="llm.device 'cpu' must be model.device 'cuda'"):
+        AppConfig(model={"device": "cuda"}, llm={"colocate": True})
+    vllm = {"family": "qwen3-vl", "path": "/ckpt", "engine": "vllm", "device": "cuda", "colocate": True}
+    model = {"family": "qwen3-vl", "path": "/ckpt", "device": "cuda"}
+    with pytest.raises(ValueError, match="gpu_memory_utilization to at most 0.85 \\(now unset"):
+        AppConfig(model=model, llm=vllm)
+    with pytest.raises(ValueError, match="at most 0.85 \\(now 0.9\\)"):
+        AppConfig(model=model, llm={**vllm, "engine_kwargs": {"gpu_memory_utilization": 0.9}})
+    AppConfig(model=model, llm={**vllm, "engine_kwargs": {"gpu_memory_utilization": 0.75}})
