@@ -27,7 +27,7 @@ from ray.serve.deployment import Deployment
 from ray.serve.schema import LoggingConfig
 
 from .config import AppConfig, deployment_ladder
-from .deployment_names import COLOCATED, ENCODER, LLM_ENGINES, ROUTER, name_of
+from .deployment_names import COLOCATED, ENCODER, ENCODER_SLOTS, LLM_ENGINES, LLM_SLOTS, ROUTER, name_of
 from .validation import validate
 
 ROUTING_STATS_PERIOD_S = 1.0
@@ -36,12 +36,6 @@ ROUTING_STATS_PERIOD_S = 1.0
 def deployment(import_path: str, **options) -> Deployment:
     """A deployment of the class at `import_path` (`module.Class`), named after the class."""
     return serve.deployment(name=name_of(import_path), **options)(import_path)
-
-
-ENCODER_SLOTS = 8
-"""An encoder replica's `max_ongoing_requests` (packs) unless the YAML sets it."""
-LLM_SLOTS = {"transformers": 16, "vllm": 64}
-"""An LLM replica's, per engine (vLLM batches continuously)."""
 
 
 def gpus(device: str) -> int:
@@ -78,6 +72,11 @@ def llm_deployment(config: AppConfig, logging_config: LoggingConfig) -> Deployme
     )
 
 
+COLOCATED_SHUTDOWN_S = 120.0
+"""Serve's bound on a colocated replica's stop: its generations in flight finish first (2048 tokens
+take tens of seconds), then its stored results are read."""
+
+
 def colocated_deployment(config: AppConfig, logging_config: LoggingConfig) -> Deployment:
     """`llm.colocate`: encoder and LLM in one replica, routed as the encoders are (packs by queued
     tokens, generations by those in flight); its slots hold the encoder's packs and the LLM's requests."""
@@ -85,6 +84,7 @@ def colocated_deployment(config: AppConfig, logging_config: LoggingConfig) -> De
         COLOCATED,
         max_ongoing_requests=ENCODER_SLOTS + LLM_SLOTS[config.llm.engine],
         health_check_period_s=10,
+        graceful_shutdown_timeout_s=COLOCATED_SHUTDOWN_S,
         ray_actor_options={"num_cpus": 2, "num_gpus": gpus(config.model.device)},
         logging_config=logging_config,
         request_router_config=packs_by_tokens(),

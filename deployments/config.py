@@ -269,8 +269,9 @@ class LLMSettings(_Strict):
         False,
         description="One deployment, `ColocatedReplica`, runs an encoder and this LLM in each replica (one GPU "
         "each) instead of `EncoderReplica`s beside LLM replicas: every GPU encodes and generates, where a split "
-        "leaves the LLM part of the GPUs while the encoders idle on little vision. Replicas scale by the "
-        "encoder's token policy; vLLM's `gpu_memory_utilization` must leave the encoder its memory.",
+        "leaves the LLM part of the GPUs while the encoders idle on little vision. Set its `num_replicas` "
+        "(the token policy would see only the encoder's load); vLLM's `gpu_memory_utilization` must leave the "
+        "encoder its memory.",
     )
 
     @property
@@ -336,6 +337,12 @@ class AppConfig(_Strict):
                     f"model.device {self.model.device!r}"
                 )
             share = self.llm.engine_kwargs.get("gpu_memory_utilization")
+            if share is not None and (
+                isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1
+            ):
+                raise ValueError(
+                    f"llm.engine_kwargs.gpu_memory_utilization: a share of the GPU in (0, 1], not {share!r}"
+                )
             if (
                 self.llm.engine == "vllm"
                 and self.llm.device == "cuda"

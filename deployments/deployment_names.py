@@ -15,6 +15,11 @@ LLM_ENGINES = {
 """The LLM deployment's class per `llm.engine`."""
 COLOCATED = "deployments.colocated.replica.ColocatedReplica"
 """With `llm.colocate`: encoder and LLM in one deployment."""
+ENCODER_SLOTS = 8
+"""An encoder replica's `max_ongoing_requests` (packs) unless the YAML sets it."""
+LLM_SLOTS = {"transformers": 16, "vllm": 64}
+"""An LLM replica's, per engine (vLLM batches continuously); a colocated replica keeps this many of
+its slots for generations and the rest for packs."""
 
 
 def name_of(import_path: str) -> str:

@@ -255,15 +255,31 @@ def serve_schema_problems(document) -> list[str]:
     return problems
 
 
+SPLIT_SIDES = ("EncoderReplica", "LLMReplica", "VLLMReplica")
+"""The deployments `llm.colocate` folds into `ColocatedReplica`."""
+
+
 def deployment_name_problems(app: dict, config: AppConfig) -> list[str]:
-    """Entries of the application's `deployments:` that name no deployment it builds."""
+    """Entries of the application's `deployments:` that name no deployment it builds, and a colocated
+    replica set to autoscale (the token policy sees only its encoder's load, not its LLM's)."""
     names = deployment_names(config)
+    colocated = config.llm is not None and config.llm.colocate
     problems = []
     for index, entry in enumerate(app.get("deployments") or []):
         name = entry.get("name") if isinstance(entry, dict) else None
+        if colocated and name == "ColocatedReplica" and entry.get("autoscaling_config"):
+            problems.append(
+                f"`deployments[{index}]` (ColocatedReplica) has an `autoscaling_config`: the token policy would "
+                "count its encoder's tokens only, not its LLM's requests; set `num_replicas`"
+            )
         if isinstance(name, str) and name not in names:
-            close = difflib.get_close_matches(name, names, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else "remove it"
+            if colocated and name in SPLIT_SIDES:
+                hint = "with `llm.colocate: true` encoder and LLM are one deployment: name it 'ColocatedReplica'"
+            elif name == "ColocatedReplica":
+                hint = "it exists only with `llm.colocate: true`"
+            else:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f"did you mean {close[0]!r}?" if close else "remove it"
             problems.append(
                 f"`deployments[{index}].name` {name!r} is not a deployment of this application (it builds "
                 f"{', '.join(names)}); {hint}"

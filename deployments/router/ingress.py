@@ -96,6 +96,10 @@ class EncoderRouter:
         log_refusals_in_one_line()
         self.config = config
         self.encoder = encoder
+        if llm is not None and llm.deployment_name == encoder.deployment_name:  # `llm.colocate`: one deployment
+            # a handle of its own, so a request router of its own: a FIFO router gives the replica it
+            # picks for one request to the oldest waiting one, which must not be a pack for a generation
+            llm = serve.get_deployment_handle(llm.deployment_name, llm.app_name)
         self.llm = llm
         self.metrics = RouterMetrics()
         self.rejected: dict[str, int] = {}

@@ -7,7 +7,8 @@ sent itself and has not seen complete, which is exact and immediate for this cal
 load of a replica is the larger of the two (reports are periodic and cover other callers).
 The same reports carry each replica's warm-up, which `replica_reports` gives `/v1/models`.
 Replicas that also generate (`llm.colocate`) get each generation where the fewest are in
-flight, counted the same two ways, ties broken at random.
+flight, counted the same two ways, ties broken at random, and never more than the slots they
+keep for their LLM (the others stay the packs').
 """
 
 from __future__ import annotations
@@ -53,13 +54,19 @@ def replica_reports() -> dict[str, dict]:
 
 
 def replica_slots() -> int | None:
-    """Requests the encoder replicas take at once, summed (each one's `max_ongoing_requests`), as
-    this process's routers know them; None before a router has seen a replica."""
+    """Packs the encoder replicas take at once, summed (each one's `max_ongoing_requests`, less the
+    slots a colocated replica keeps for its LLM), as this process's routers know them; None before a
+    router has seen a replica."""
     replicas = {}
     for router in list(_ROUTERS):
         for replica_id, replica in list(router.curr_replicas.items()):
-            replicas[replica_id] = replica.max_ongoing_requests
+            replicas[replica_id] = max(1, replica.max_ongoing_requests - llm_slots(replica))
     return sum(replicas.values()) if replicas else None
+
+
+def llm_slots(replica: RunningReplica) -> int:
+    """Slots a colocated replica keeps for generations (`ColocatedReplica.record_routing_stats`); 0 else."""
+    return int((replica.routing_stats or {}).get("llm_slots", 0))
 
 
 def routed_replicas() -> set[str] | None:
@@ -94,8 +101,9 @@ class FewestQueuedTokensRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: Optional[PendingRequest] = None
     ) -> list[list[RunningReplica]]:
-        if is_generation(pending_request):
-            shuffled = random.sample(candidate_replicas, len(candidate_replicas))
+        if is_generation(pending_request):  # only where the LLM has a slot left: the rest are the packs'
+            room = [r for r in candidate_replicas if self.generating(r) < (llm_slots(r) or r.max_ongoing_requests)]
+            shuffled = random.sample(room, len(room))
             return [[r] for r in sorted(shuffled, key=lambda r: (self.generating(r), self.load(r)))]
         ranked = sorted(candidate_replicas, key=self.load)
         if ranked and pending_request is not None:

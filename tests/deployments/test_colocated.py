@@ -11,6 +11,7 @@ from ray import serve
 
 from deployments.config import AppConfig
 from deployments.deployment_names import deployment_names
+from deployments.validation import deployment_name_problems
 from models import from_checkpoint
 from models.tiny_checkpoint import save_tiny_vlm
 from tests.deployments.media_helpers import b64, decode_embedding, image_file, reference_image
@@ -87,4 +88,14 @@ def test_colocation_is_validated_before_anything_starts():
         AppConfig(model=model, llm=vllm)
     with pytest.raises(ValueError, match="at most 0.85 \\(now 0.9\\)"):
         AppConfig(model=model, llm={**vllm, "engine_kwargs": {"gpu_memory_utilization": 0.9}})
+    with pytest.raises(ValueError, match="a share of the GPU in \\(0, 1\\], not 'most'"):
+        AppConfig(model=model, llm={**vllm, "engine_kwargs": {"gpu_memory_utilization": "most"}})
     AppConfig(model=model, llm={**vllm, "engine_kwargs": {"gpu_memory_utilization": 0.75}})
+
+
+def test_the_validator_names_the_colocated_deployment_and_refuses_its_autoscaling():
+    entries = [{"name": "EncoderReplica"}, {"name": "ColocatedReplica", "autoscaling_config": {"max_replicas": 4}}]
+    first, second = deployment_name_problems({"deployments": entries}, AppConfig(llm={"colocate": True}))
+    assert first.endswith("name it 'ColocatedReplica'") and "count its encoder's tokens only" in second
+    (alone,) = deployment_name_problems({"deployments": [{"name": "ColocatedReplica"}]}, AppConfig())
+    assert alone.endswith("it exists only with `llm.colocate: true`")

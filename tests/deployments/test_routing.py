@@ -13,8 +13,10 @@ def router() -> FewestQueuedTokensRouter:
     return made
 
 
-def replica(name: str, reported: int = 0):
-    return SimpleNamespace(replica_id=name, routing_stats={"queued_tokens": reported})
+def replica(name: str, reported: int = 0, slots: int = 8, **stats):
+    return SimpleNamespace(
+        replica_id=name, max_ongoing_requests=slots, routing_stats={"queued_tokens": reported, **stats}
+    )
 
 
 def pack(request_id: str, tokens: int):
@@ -84,19 +86,18 @@ def test_replica_slots_sum_each_replica_once_over_this_processs_routers(monkeypa
     monkeypatch.setattr(routing, "_ROUTERS", set())
     assert replica_slots() is None
     first, second = router(), router()
-    first._replicas = {
-        "a": SimpleNamespace(max_ongoing_requests=8),
-        "b": SimpleNamespace(max_ongoing_requests=4),
-    }  # Serve keeps `curr_replicas` there
-    second._replicas = {"b": SimpleNamespace(max_ongoing_requests=4)}
+    first._replicas = {"a": replica("a", slots=8), "b": replica("b", slots=4)}  # Serve keeps `curr_replicas` there
+    second._replicas = {"b": replica("b", slots=4)}
     routing._ROUTERS.update({first, second})
     assert replica_slots() == 12
+    second._replicas["c"] = replica("c", slots=72, llm_slots=64)  # colocated: 64 of its slots are its LLM's
+    assert replica_slots() == 20
 
 
 def test_generations_of_colocated_replicas_go_where_fewest_are_in_flight():
     """`llm.colocate`: generations spread by those in flight (this router's and the replicas' reports),
     ties at random, and leave the pack token counts alone."""
-    chooser, a, b = router(), replica("a"), replica("b")
+    chooser, a, b = router(), replica("a", slots=72, llm_slots=64), replica("b", slots=72, llm_slots=64)
     firsts = set()
     for i in range(40):  # nothing in flight: a tie, broken at random
         firsts.add(asyncio.run(chooser.choose_replicas([a, b], generation(f"tie{i}")))[0][0].replica_id)
@@ -109,8 +110,10 @@ def test_generations_of_colocated_replicas_go_where_fewest_are_in_flight():
         chosen.append(target.replica_id)
     assert sorted(chosen) == ["a", "a", "b", "b"]  # each went where fewer were in flight
     assert chooser.load(a) == chooser.load(b) == 0  # generations hold no pack tokens
-    busy = SimpleNamespace(replica_id="busy", routing_stats={"queued_tokens": 0, "generating": 30})
+    busy = replica("busy", slots=72, llm_slots=64, generating=30)
     assert asyncio.run(chooser.choose_replicas([busy, a], generation("next")))[0][0] is a  # reports count too
+    full = replica("full", slots=72, llm_slots=64, generating=64)  # its LLM's slots taken: the rest are packs'
+    assert asyncio.run(chooser.choose_replicas([full], generation("later"))) == []
     for i, replica_id in enumerate(chosen):
         chooser.on_request_completed(replica_id, f"g{i}")
     assert chooser.generating(a) == chooser.generating(b) == 0
