@@ -10,7 +10,10 @@ All systems serve the same checkpoint (`python -m models.tiny_checkpoint qwen3-v
 configs/epd-vllm.yaml pointed at it (one encoder replica on one GPU, one `VLLMReplica` on the other),
 `ours-colocated` of configs/epd-vllm-colocated.yaml (a `ColocatedReplica`, encoder and vLLM, on each GPU);
 `vllm-dp2` is `vllm serve --data-parallel-size 2` with its ViT CUDA graphs on (`cudagraph_mm_encoder`, the V1
-model runner that uses them). Workloads (every image unique, so neither side's caches hit):
+model runner that uses them); `vllm-epd` is vLLM's own encoder disaggregation, an `--mm-encoder-only` instance
+on GPU 0 and a prefill-decode one on GPU 1 sharing embeddings through its `ECExampleConnector` (in
+/dev/shm), each request sent to the first with one token, then to the second, as vLLM's EPD proxy does
+(`benchmarks/common/serving_systems.py`). Workloads (every image unique, so no cache hits):
 - image-heavy: 1-4 JPEG photos from 448x448 to 1920x1080 and a short question;
 - image-light: one 224x224 photo and 1,000-2,000 tokens of text.
 Each answer is 64 tokens (`ignore_eos`), greedy. Arrivals are Poisson at each rate of `--rates` in turn for
@@ -18,11 +21,10 @@ Each answer is 64 tokens (`ignore_eos`), greedy. Arrivals are Poisson at each ra
 a rate's requests all finish before the next begins, and the ramp stops once a rate overloads the system
 (p99 TTFT over `--stop-ttft`, errors, or fewer answers than asked). TTFT is the time from sending a
 request to the first chunk carrying a generated token (ours: every chunk carries `token_ids`; vLLM's with
-`return_token_ids`). Reported per rate: TTFT p50/p99,
-end-to-end p50, answered requests/s and output tokens/s (over the first send to the last answer), and
-each GPU's mean utilisation (nvidia-smi, every 0.5 s) and the host cores the servers kept busy (all busy
-cores less the clients'); per workload: the answered requests/s of the highest rate up to which every rate
-kept its p99 TTFT within `SLO_TTFT_S`.
+`return_token_ids`). Reported per rate: TTFT p50/p99, end-to-end p50, answered requests/s and output
+tokens/s (over the first send to the last answer), each GPU's mean utilisation (nvidia-smi, every 0.5 s)
+and the host cores the servers kept busy (all busy cores less the clients'); per workload: the answered
+requests/s of the highest rate within `SLO_TTFT_S` (p99 TTFT), with and without every lower rate passing.
 """
 
 from __future__ import annotations
@@ -33,17 +35,14 @@ import base64
 import io
 import json
 import multiprocessing as mp
-import os
 import random
 import signal
-import subprocess
 import sys
 import time
 import zlib
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -62,9 +61,6 @@ WORKLOADS = {
         "rates": [2, 4, 8, 16, 24, 32, 48],
     },
 }
-SYSTEMS = ("ours", "ours-colocated", "vllm-dp2")
-OURS = {"ours": "epd-vllm.yaml", "ours-colocated": "epd-vllm-colocated.yaml"}
-"""Our systems' configs: encoder and LLM on a GPU each, or both on every GPU (`llm.colocate`)."""
 OUTPUT_TOKENS = 64
 SLO_TTFT_S = 2.0
 """The p99 TTFT a rate must keep to count as served (the issue's SLO)."""
@@ -223,7 +219,7 @@ def merge_levels(kept: list[dict], measured: list[dict]) -> list[dict]:
 # ---- the load: client processes, one asyncio loop each ----
 
 
-def client_process(jobs, results, barrier, url: str, model: str, extra: dict, checkpoint: str) -> None:
+def client_process(jobs, results, barrier, target: dict, checkpoint: str) -> None:
     """Runs each job (a share of one rate) it is given: builds its requests, waits for the others, sends
     them open loop, and reports one record per request."""
     from transformers import AutoTokenizer
@@ -238,15 +234,21 @@ def client_process(jobs, results, barrier, url: str, model: str, extra: dict, ch
         rng = random.Random(job["seed"])
         offsets = arrivals(job["rate"], job["seconds"], rng)
         bodies = [
-            {**request_body(workload, i, job["seed"], bases, count_tokens), "model": model, **extra}
+            {**request_body(workload, i, job["seed"], bases, count_tokens), "model": target["model"], **target["extra"]}
             for i in range(len(offsets))
         ]
         barrier.wait()
-        results.put(asyncio.run(open_loop(url, offsets, bodies, job["timeout"])))
+        results.put(asyncio.run(open_loop(target["url"], offsets, bodies, job["timeout"], target["encode_url"])))
 
 
-async def open_loop(url: str, offsets: list[float], bodies: list[dict], timeout: float) -> list[dict]:
+async def open_loop(
+    url: str, offsets: list[float], bodies: list[dict], timeout: float, encode_url: str | None = None
+) -> list[dict]:
+    """Each body sent at its offset, streamed; with `encode_url` (vLLM's EPD) first to its encoder
+    instance, as vLLM's EPD proxy does, the TTFT counting both."""
     import aiohttp
+
+    from benchmarks.common.serving_systems import encode_body
 
     start = time.monotonic()
     # idle connections closed here before any server closes them (uvicorn: after 5 s), or a request sent on
@@ -258,6 +260,10 @@ async def open_loop(url: str, offsets: list[float], bodies: list[dict], timeout:
             await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
             record = {"sent": time.monotonic() - start, "ttft": None, "end": None, "tokens": 0, "error": None}
             try:
+                if encode_url is not None:
+                    async with session.post(f"{encode_url}/v1/chat/completions", json=encode_body(body)) as reply:
+                        if reply.status != 200:
+                            raise RuntimeError(f"encoder HTTP {reply.status}: {(await reply.text())[:150]}")
                 await stream_chat(session, url, body, record, start)
             except Exception as error:  # noqa: BLE001 - every failure is a record
                 record["error"] = f"{type(error).__name__}: {error}"[:200]
@@ -286,7 +292,7 @@ async def stream_chat(session, url: str, body: dict, record: dict, start: float)
                     record["ttft"] = time.monotonic() - start - record["sent"]
 
 
-def run_workload(name: str, args, url: str, model: str, extra: dict, log) -> list[dict]:
+def run_workload(name: str, args, target: dict, log) -> list[dict]:
     """Every rate of the workload in turn, until one overloads the system or time runs out."""
     from benchmarks.common.utilisation import CpuSampler, GpuSampler
 
@@ -294,7 +300,7 @@ def run_workload(name: str, args, url: str, model: str, extra: dict, log) -> lis
     jobs, results = [ctx.Queue() for _ in range(args.clients)], ctx.Queue()
     barrier = ctx.Barrier(args.clients + 1)
     workers = [
-        ctx.Process(target=client_process, args=(jobs[i], results, barrier, url, model, extra, args.checkpoint))
+        ctx.Process(target=client_process, args=(jobs[i], results, barrier, target, args.checkpoint))
         for i in range(args.clients)
     ]
     for worker in workers:
@@ -349,101 +355,16 @@ def format_level(level: dict) -> str:
     )
 
 
-# ---- the systems ----
-
-
-def ours_config(base: Path, checkpoint: str, out: Path, port: int, system: str = "ours") -> Path:
-    """`base` (an E/PD config) serving the checkpoint on both sides, answers of 64 tokens at most."""
-    config = yaml.safe_load(base.read_text())
-    config["http_options"]["port"] = port
-    args = config["applications"][0]["args"]
-    args["model"]["path"] = args["llm"]["path"] = checkpoint
-    if args["llm"].get("engine") == "vllm":
-        args["llm"]["engine_kwargs"]["max_model_len"] = 16384
-    args["llm"]["max_tokens"] = OUTPUT_TOKENS
-    path = out / f"{system}-config.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
-
-
-def start_system(system: str, args, out: Path, log):
-    """The system's server process (own process group), its URL, its chat model name, extra request fields."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    if system in OURS:
-        port = 8000
-        command = [
-            sys.executable,
-            "-m",
-            "ray.serve.scripts",
-            "run",
-            str(ours_config(args.config or ROOT / "configs" / OURS[system], args.checkpoint, out, port, system)),
-        ]
-        extra = {}
-    else:
-        port = 8100
-        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # vLLM 0.26's V2 runner never replays encoder graphs
-        command = [
-            sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.checkpoint, "--port", str(port),
-            "--served-model-name", "model", "--data-parallel-size", "2", "--max-model-len", "16384",
-            "--gpu-memory-utilization", "0.85", "--limit-mm-per-prompt", json.dumps({"image": 4}),
-            "--compilation-config", json.dumps({"cudagraph_mm_encoder": True}),
-        ]  # fmt: skip
-        extra = {"return_token_ids": True}
-    logfile = open(out / f"server-{system}.log", "w")
-    process = subprocess.Popen(
-        command, stdout=logfile, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        model = wait_ready(system, url, process, args.startup_timeout, log)
-    except BaseException:
-        stop_system(process)
-        raise
-    return process, url, model, extra
-
-
-def wait_ready(system: str, url: str, process, timeout: float, log) -> str:
-    """The chat model's name once the server answers a chat (ours: also every encoder graph live)."""
-    import httpx
-
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if process.poll() is not None:
-            raise RuntimeError(f"{system}: the server exited with {process.returncode}")
-        try:
-            ids = [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=5).json()["data"]]
-            model = ids[-1]
-            image = {"type": "image_url", "image_url": {"url": data_url(photo(64, 64, seed=0))}}
-            content = [image, {"type": "text", "text": "Hi"}]  # an image: the router meets the encoders
-            body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
-            if httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200:
-                if system not in OURS or encoder_warm(url, ids[0]):
-                    log(f"{system}: ready after {time.monotonic() - start:.0f} s")
-                    return model
-        except Exception:  # noqa: BLE001 - not up yet
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"{system}: not ready within {timeout} s")
-
-
-def encoder_warm(url: str, encoder_id: str) -> bool:
-    import httpx
-
-    warmup = httpx.get(f"{url}/v1/models/{encoder_id}", timeout=10).json().get("encoder", {}).get("replica_warmup", {})
-    return bool(warmup) and all(w.get("full_speed") for w in warmup.values())
-
-
-def stop_system(process) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+def probe_body(model: str) -> dict:
+    """A chat with an image: a system that answers it has met its encoders."""
+    image = {"type": "image_url", "image_url": {"url": data_url(photo(64, 64, seed=0))}}
+    content = [image, {"type": "text", "text": "Hi"}]
+    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
 
 
 def measure(system: str, args, out: Path) -> None:
     from benchmarks.common.environment import environment
+    from benchmarks.common.serving_systems import start_system, stop_system
 
     def log(line: str) -> None:
         print(line, flush=True)
@@ -453,19 +374,20 @@ def measure(system: str, args, out: Path) -> None:
     started = time.monotonic()
     path = out / f"{system}.json"
     kept = json.loads(path.read_text())["workloads"] if args.merge and path.exists() else {}
-    process, url, model, extra = start_system(system, args, out, log)
+    running = start_system(system, args, out, log, probe_body)
+    target = {"url": running.url, "model": running.model, "extra": running.extra, "encode_url": running.encode_url}
     record = {"system": system, "environment": environment(), "startup_s": round(time.monotonic() - started, 1)}
     record["workloads"] = dict(kept)
     try:
         for name in args.workloads:
             # a few requests of the workload first: its first images and prompt lengths reach both sides
             run_warmup = argparse.Namespace(**{**vars(args), "rates": {name: [1]}, "seconds": 5})
-            run_workload(name, run_warmup, url, model, extra, lambda line: log("warm-up " + line))
-            measured = run_workload(name, args, url, model, extra, log)
+            run_workload(name, run_warmup, target, lambda line: log("warm-up " + line))
+            measured = run_workload(name, args, target, log)
             record["workloads"][name] = merge_levels(kept.get(name, []), measured)
             path.write_text(json.dumps(record, indent=1))
     finally:
-        stop_system(process)
+        stop_system(running)
     report(out)
 
 
@@ -473,6 +395,8 @@ def measure(system: str, args, out: Path) -> None:
 
 
 def report(out: Path) -> None:
+    from benchmarks.common.serving_systems import SYSTEMS
+
     records = {
         r["system"]: r for r in (json.loads(p.read_text()) for p in sorted(out.glob("*.json")) if p.stem in SYSTEMS)
     }
@@ -570,10 +494,12 @@ def main() -> None:
     if args.report:
         report(args.out)
         return
-    args.deadline = time.monotonic() + args.time_limit
+    args.deadline, args.max_tokens = time.monotonic() + args.time_limit, OUTPUT_TOKENS
     args.workloads = args.workloads.split(",")
     args.rates = parse_rates(args.rates, args.workloads)
     for system in args.systems.split(","):
+        from benchmarks.common.serving_systems import SYSTEMS
+
         assert system in SYSTEMS, f"{system}: one of {SYSTEMS}"
         measure(system, args, args.out)
 

@@ -119,3 +119,11 @@ def test_cpu_sampler_splits_the_hosts_busy_cores_into_clients_and_servers():
     cpu = sampler.stop()
     assert cpu["client_cores"] > 0.2
     assert abs(cpu["server_cores"] - (cpu["host_cores"] - cpu["client_cores"])) <= 0.11  # each rounded to 0.1
+
+
+def test_vllm_epd_sends_the_encoder_instance_the_request_unstreamed_with_one_token():
+    from benchmarks.common.serving_systems import encode_body
+
+    body = {"model": "m", "messages": [{"role": "user"}], "max_tokens": 64, "stream": True, "stream_options": {}}
+    assert encode_body(body) == {"model": "m", "messages": [{"role": "user"}], "max_tokens": 1}
+    assert body["stream"] and body["max_tokens"] == 64  # the request itself, for the prefill-decode instance, unchanged
