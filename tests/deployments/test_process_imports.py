@@ -30,6 +30,7 @@ FORBIDDEN = {
         "encoder_graphs.parts",
         "deployments.encoder",
         "deployments.llm",
+        "deployments.colocated",
         "vllm",
     ),
     "llm": (
