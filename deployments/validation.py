@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from ray.serve.exceptions import RayServeException
 
 from .config import AppConfig, deployment_ladder
-from .deployment_names import deployment_names
+from .deployment_names import LLM_SLOTS, deployment_names
 
 
 class ConfigError(RayServeException):
@@ -271,6 +271,12 @@ def deployment_name_problems(app: dict, config: AppConfig) -> list[str]:
             problems.append(
                 f"`deployments[{index}]` (ColocatedReplica) has an `autoscaling_config`: the token policy would "
                 "count its encoder's tokens only, not its LLM's requests; set `num_replicas`"
+            )
+        slots = entry.get("max_ongoing_requests") if colocated and name == "ColocatedReplica" else None
+        if isinstance(slots, int) and slots <= LLM_SLOTS[config.llm.engine]:
+            problems.append(
+                f"`deployments[{index}].max_ongoing_requests` {slots}: a ColocatedReplica keeps "
+                f"{LLM_SLOTS[config.llm.engine]} slots for its LLM and packs take the rest; make it larger"
             )
         if isinstance(name, str) and name not in names:
             if colocated and name in SPLIT_SIDES:

@@ -97,5 +97,9 @@ def test_the_validator_names_the_colocated_deployment_and_refuses_its_autoscalin
     entries = [{"name": "EncoderReplica"}, {"name": "ColocatedReplica", "autoscaling_config": {"max_replicas": 4}}]
     first, second = deployment_name_problems({"deployments": entries}, AppConfig(llm={"colocate": True}))
     assert first.endswith("name it 'ColocatedReplica'") and "count its encoder's tokens only" in second
+    (few,) = deployment_name_problems(
+        {"deployments": [{"name": "ColocatedReplica", "max_ongoing_requests": 16}]}, AppConfig(llm={"colocate": True})
+    )
+    assert "keeps 16 slots for its LLM and packs take the rest" in few
     (alone,) = deployment_name_problems({"deployments": [{"name": "ColocatedReplica"}]}, AppConfig())
     assert alone.endswith("it exists only with `llm.colocate: true`")
