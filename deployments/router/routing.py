@@ -102,6 +102,7 @@ class FewestQueuedTokensRouter(FIFOMixin, RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: Optional[PendingRequest] = None
     ) -> list[list[RunningReplica]]:
         if is_generation(pending_request):  # only where the LLM has a slot left: the rest are the packs'
+            # (before a replica's first report its LLM slots are unknown: Serve's own limit then)
             room = [r for r in candidate_replicas if self.generating(r) < (llm_slots(r) or r.max_ongoing_requests)]
             shuffled = random.sample(room, len(room))
             return [[r] for r in sorted(shuffled, key=lambda r: (self.generating(r), self.load(r)))]
