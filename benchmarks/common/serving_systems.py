@@ -27,6 +27,15 @@ VLLM_ARGS = [
     "--compilation-config", json.dumps({"cudagraph_mm_encoder": True}),
 ]  # fmt: skip
 """Every vLLM server's: ViT CUDA graphs on (the V1 model runner, `VLLM_USE_V2_MODEL_RUNNER=0`, replays them)."""
+EPD_ENCODER_ARGS = [
+    "--mm-encoder-only",
+    "--enforce-eager",
+    "--no-enable-prefix-caching",
+    "--max-num-batched-tokens",
+    "65536",
+]
+"""vLLM's encoder-only instance as its disaggregated-encoder guide asks (`--enforce-eager` and no prefix caching
+required, which also turns its ViT graphs off; with prefix caching its scheduler asserts on a model without KV)."""
 
 
 @dataclass
@@ -86,7 +95,7 @@ def start_system(system: str, args, out: Path, log, probe_body) -> Running:
         encoder = vllm_server(
             args.checkpoint,
             8200,
-            ["--mm-encoder-only", "--ec-transfer-config", json.dumps({**transfer, "ec_role": "ec_producer"})],
+            [*EPD_ENCODER_ARGS, "--ec-transfer-config", json.dumps({**transfer, "ec_role": "ec_producer"})],
             {**env, "CUDA_VISIBLE_DEVICES": "0"},
             out / f"server-{system}-encoder.log",
         )
