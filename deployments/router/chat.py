@@ -241,14 +241,19 @@ async def _stream(service, request, include_usage: bool):
     chunk_id = f"chatcmpl-{uuid.uuid4().hex}"
     try:
         yield sse_chunk(chunk_id, model, {"role": "assistant", "content": ""})
+        last = None
+        # read to the stream's end, never `break`: Serve counts a generation finished (its router's
+        # in-flight count, its replica's queue) only when the stream has ended here
         async for piece in service.llm.options(stream=True).generate_stream.remote(request):
             if piece.get("done"):
-                yield sse_chunk(chunk_id, model, {}, piece["finish_reason"])
-                if include_usage:
-                    counts = usage(piece["prompt_tokens"], piece["completion_tokens"], piece["vision_tokens"])
-                    yield sse_chunk(chunk_id, model, None, extra={"usage": counts})
-                break
-            yield sse_chunk(chunk_id, model, {"content": piece["text"]}, extra={"token_ids": piece["token_ids"]})
+                last = piece
+            elif last is None:
+                yield sse_chunk(chunk_id, model, {"content": piece["text"]}, extra={"token_ids": piece["token_ids"]})
+        if last is not None:
+            yield sse_chunk(chunk_id, model, {}, last["finish_reason"])
+            if include_usage:
+                counts = usage(last["prompt_tokens"], last["completion_tokens"], last["vision_tokens"])
+                yield sse_chunk(chunk_id, model, None, extra={"usage": counts})
     except RequestError as error:
         yield f"data: {json.dumps(error.body())}\n\n"
     except Exception:

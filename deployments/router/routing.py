@@ -7,8 +7,8 @@ sent itself and has not seen complete, which is exact and immediate for this cal
 load of a replica is the larger of the two (reports are periodic and cover other callers).
 The same reports carry each replica's warm-up, which `replica_reports` gives `/v1/models`.
 Replicas that also generate (`llm.colocate`) get each generation where the fewest are in
-flight, counted the same two ways, ties broken at random, and never more than the slots they
-keep for their LLM (the others stay the packs').
+flight, counted the same two ways (this router's count only until the reports hold it), ties broken
+at random, and never more than the slots they keep for their LLM (the others stay the packs').
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 
 COUNT_EXPIRY_S = 600.0
 """Longer than any pack takes (requests time out after `router.request_timeout_s`, 120 s by default)."""
+GENERATION_COUNT_S = 10.0
+"""How long this router counts a generation it sent: until the replica's own reports (every
+`ROUTING_STATS_PERIOD_S`) hold it. Serve tells a router that a stream ended only once the stream is
+read to its end or collected, so a count kept until then could fill a replica's LLM slots for good."""
 
 
 GENERATE_METHODS = ("generate", "generate_stream")
@@ -98,10 +102,19 @@ class FewestQueuedTokensRouter(FIFOMixin, RequestRouter):
         reported = int((replica.routing_stats or {}).get("generating", 0))
         return max(reported, self._generating[replica.replica_id])
 
+    def _expire_generations(self) -> None:
+        now = time.monotonic()
+        for stale in [r for r, (_, at) in self._generations.items() if now - at > GENERATION_COUNT_S]:
+            self._end_generation(stale)
+
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: Optional[PendingRequest] = None
     ) -> list[list[RunningReplica]]:
+        context = getattr(pending_request, "routing_context", None)
+        if context is not None:  # every pick here weighs every replica: a retry waits (Serve's backoff),
+            context.should_backoff = True  # as after its locality passes, never spins (no LLM slot free)
         if is_generation(pending_request):  # only where the LLM has a slot left: the rest are the packs'
+            self._expire_generations()
             # (before a replica's first report its LLM slots are unknown: Serve's own limit then)
             room = [r for r in candidate_replicas if self.generating(r) < (llm_slots(r) or r.max_ongoing_requests)]
             shuffled = random.sample(room, len(room))
@@ -117,10 +130,8 @@ class FewestQueuedTokensRouter(FIFOMixin, RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         if is_generation(pending_request):
-            now = time.monotonic()
-            for stale in [r for r, (_, at) in self._generations.items() if now - at > COUNT_EXPIRY_S]:
-                self._end_generation(stale)
-            self._generations[pending_request.metadata.internal_request_id] = (replica_id, now)
+            self._expire_generations()
+            self._generations[pending_request.metadata.internal_request_id] = (replica_id, time.monotonic())
             self._generating[replica_id] += 1
             return
         self._count(pending_request, replica_id)

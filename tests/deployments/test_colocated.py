@@ -4,6 +4,8 @@ equal transformers' tower, and the application has no other deployment."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 from openai import OpenAI
@@ -75,6 +77,37 @@ def test_encodes_equal_transformers_tower(url, checkpoint):
     tokens, _, grid = reference_image(encoder, tower, data)
     assert entry["grid_thw"] == grid
     assert relative_error(decode_embedding(entry), tokens) <= 1e-4
+
+
+def test_more_streaming_chats_than_llm_slots_all_finish_and_free_their_slots(url):
+    """Almost four times the replicas' LLM slots (2 x 16) in streaming chats at once, twice: every stream
+    ends with [DONE] and no error, and a chat after them is answered at once. Serve tells a router a
+    stream ended only when it is read to its end, so a router that stopped reading at the last piece
+    counted every stream as running and, its LLM slots full, routed no generation again."""
+    chat = url + "/v1/chat/completions"
+    served = httpx.get(url + "/v1/models", timeout=30).json()["data"][-1]["id"]
+    body = {
+        "model": served,
+        "messages": openai_messages(PROMPTS[1]),
+        "max_tokens": 16,
+        "stream": True,
+        "ignore_eos": True,
+    }
+
+    async def one(client: httpx.AsyncClient) -> list[str]:
+        async with client.stream("POST", chat, json=body) as response:
+            assert response.status_code == 200
+            return [line async for line in response.aiter_lines() if line.startswith("data:")]
+
+    async def wave() -> list[list[str]]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client) for _ in range(120)))
+
+    for _ in range(2):
+        for events in asyncio.run(wave()):
+            assert events[-1] == "data: [DONE]" and not any('"error"' in event for event in events), events
+    reply = httpx.post(chat, json={**body, "stream": False}, timeout=30)
+    assert reply.status_code == 200, reply.text
 
 
 def test_colocation_is_validated_before_anything_starts():

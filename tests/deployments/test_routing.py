@@ -117,3 +117,29 @@ def test_generations_of_colocated_replicas_go_where_fewest_are_in_flight():
     for i, replica_id in enumerate(chosen):
         chooser.on_request_completed(replica_id, f"g{i}")
     assert chooser.generating(a) == chooser.generating(b) == 0
+
+
+def test_a_generation_whose_end_serve_never_reports_stops_counting(monkeypatch):
+    """Serve reports a stream's end only once it is read to the end or collected: this router's own
+    count of a generation lasts `GENERATION_COUNT_S` (the replicas' reports hold it by then), and
+    expires when the next generation is placed, so a replica whose LLM slots it filled gets one again."""
+    chooser, a = router(), replica("a", slots=20, llm_slots=2)
+    for i in range(2):
+        request = generation(f"abandoned{i}", "generate_stream")
+        chooser.on_request_routed(request, asyncio.run(chooser.choose_replicas([a], request))[0][0].replica_id, None)
+    assert asyncio.run(chooser.choose_replicas([a], generation("next"))) == []  # counted full, none completed
+    later = routing.time.monotonic() + routing.GENERATION_COUNT_S + 1
+    monkeypatch.setattr(routing.time, "monotonic", lambda: later)
+    assert asyncio.run(chooser.choose_replicas([a], generation("next")))[0][0] is a
+    assert chooser.generating(a) == 0
+
+
+def test_a_request_no_replica_can_take_now_waits_with_backoff_not_spinning():
+    """Serve retries a pick at once, without its backoff, unless the router says it weighed every
+    replica; this one always does, so a generation that finds every LLM slot taken waits between tries
+    instead of spinning the router's event loop (which then could not read the streams that free them)."""
+    full = replica("full", slots=72, llm_slots=64, generating=64)
+    request = generation("waiting")
+    request.routing_context = SimpleNamespace(should_backoff=False)
+    assert asyncio.run(router().choose_replicas([full], request)) == []
+    assert request.routing_context.should_backoff
