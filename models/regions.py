@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import io
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -102,6 +103,19 @@ def _sources_unchanged(variant: Any) -> bool:
     return True
 
 
+def _closure(function: Callable[..., Any]) -> dict[str, object]:
+    """What a region function's closure holds, by name: passed by reference when its variants are
+    serialized and loaded, not pickled (a decorator's wrapped function, e.g. transformers'
+    checkpointing wrapper of a layer's `forward`, cannot be pickled by its name)."""
+    found = {}
+    for name, cell in zip(function.__code__.co_freevars, getattr(function, "__closure__", None) or ()):
+        try:
+            found[f"closure:{name}"] = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    return found
+
+
 class PrecompiledRegion:
     """A region's AOT-compiled variants, one per guard set: a call runs the variant that passed last,
     else the first whose guards pass; none passing, it compiles another while its regions are
@@ -115,6 +129,7 @@ class PrecompiledRegion:
         self.blobs: list[bytes | None] = []
         """Each variant's serialized bytes where it was loaded (None: compiled here, serialized on save)."""
         self._last = 0
+        self.closure = _closure(function)
 
     def __reduce__(self):
         # Dynamo's guard-state pickler keeps a module's callable attributes: a module's `forward`
@@ -165,15 +180,15 @@ class PrecompiledRegions:
         return any(blob is None for region in self.regions.values() for blob in region.blobs)
 
     def load(self, blobs: Mapping[str, Sequence[bytes]]) -> int:
-        from torch._dynamo.aot_compile import AOTCompiledFunction
-
         loaded: dict[str, list[tuple[Any, bytes]]] = {}
         for name, found in blobs.items():
             region = self.regions.get(name)
             if region is None:
                 continue
             for blob in found:
-                variant = AOTCompiledFunction.deserialize(blob, f_globals=region.function.__globals__)
+                variant = torch.compiler.load_compiled_function(
+                    io.BytesIO(blob), f_globals=region.function.__globals__, external_data=region.closure
+                )
                 if not _sources_unchanged(variant):
                     raise ValueError(f"region {name}: a saved variant traced sources that changed since")
                 loaded.setdefault(name, []).append((variant, blob))
@@ -190,7 +205,7 @@ class PrecompiledRegions:
         found = {}
         for name, region in self.regions.items():
             region.blobs = [
-                blob if blob is not None else AOTCompiledFunction.serialize(variant).serialized_data
+                blob if blob is not None else AOTCompiledFunction.serialize(variant, region.closure).serialized_data
                 for variant, blob in zip(region.variants, region.blobs)
             ]
             if region.blobs:

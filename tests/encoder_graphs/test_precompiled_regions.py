@@ -5,6 +5,7 @@ runs uncompiled, as transformers computes it."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -169,6 +170,60 @@ def test_a_variant_whose_traced_source_changed_is_refused(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="changed"):
         changed.load(blobs)
     assert changed.regions["region_source.layer"].variants == []
+
+
+def scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + 1
+
+
+def test_a_region_compiles_a_variant_per_guard_set_only_while_compiling():
+    """A guard miss compiles a variant only while the regions are compiling and the caller's stance
+    allows; otherwise it raises `RegionMiss` and compiles nothing. A call tries the variant that
+    passed last first."""
+    regions = PrecompiledRegions("eager")
+    region = regions(scaled)
+    assert regions(scaled) is region and region.name.endswith("test_precompiled_regions.scaled")
+    with pytest.raises(RegionMiss):
+        region(torch.ones(4))  # not compiling: nothing to run
+    regions.compiling = True
+    with torch.compiler.set_stance("fail_on_recompile"), pytest.raises(RegionMiss):
+        region(torch.ones(4))  # where dynamo may not compile (the device lock), neither may a region
+    assert torch.equal(region(torch.ones(4)), torch.full((4,), 3.0)) and len(region.variants) == 1
+    assert torch.equal(region(torch.ones(7)), torch.full((7,), 3.0)) and len(region.variants) == 1  # dynamic
+    assert torch.equal(region(torch.ones(4, dtype=torch.float64)), torch.full((4,), 3.0, dtype=torch.float64))
+    assert len(region.variants) == 2 and region._last == 1 and regions.new
+    regions.compiling = False
+    region(torch.ones(5))
+    assert region._last == 0
+    with pytest.raises(RegionMiss, match="none of its 2 precompiled variants"):
+        region(torch.ones(4, dtype=torch.int64))
+    assert len(region.variants) == 2
+
+
+def checkpointing(forward):
+    """A decorator as transformers wraps a layer's `forward` (`GradientCheckpointingLayer`)."""
+
+    @functools.wraps(forward)
+    def wrapper(x: torch.Tensor) -> torch.Tensor:
+        return forward(x)
+
+    return wrapper
+
+
+@checkpointing
+def wrapped_layer(x: torch.Tensor) -> torch.Tensor:
+    return x * 3 - 1
+
+
+def test_a_decorated_region_function_round_trips():
+    """The function a decorator wraps (in the wrapper's closure, named as the wrapper) cannot be
+    pickled by its name: it is passed by reference, and the variant loads and runs."""
+    regions = PrecompiledRegions("eager")
+    regions.compiling = True
+    assert torch.equal(regions(wrapped_layer)(torch.ones(3)), torch.full((3,), 2.0))
+    fresh = PrecompiledRegions("eager")
+    layer = fresh(wrapped_layer)
+    assert fresh.load(regions.serialized()) == 1 and torch.equal(layer(torch.ones(5)), torch.full((5,), 2.0))
 
 
 def test_the_regions_file_round_trips_and_a_malformed_one_is_refused():
