@@ -85,6 +85,7 @@ class WarmUp:
         self._private_inputs: StaticBuffers | None = None
         """Inputs the compiles run on, shaped as the table's shared ones (freed at the end)."""
         self._upcoming: list[GraphKey] = []
+        self._regions_fingerprint: str | None = None
 
     @property
     def full_speed(self) -> bool:
@@ -214,11 +215,13 @@ class WarmUp:
         progress(f"compiled the padded forward in {time.perf_counter() - began:.1f} s")
 
     def _regions_file(self) -> str | None:
-        """The fingerprint naming our code version's precompiled regions (None: no sources to hash,
-        or no cache: neither loaded nor saved)."""
+        """The fingerprint naming our code version's precompiled regions, taken once, when they load
+        (None: no sources to hash, or no cache: neither loaded nor saved)."""
         if self.parts.compile_cache is None:
             return None
-        return fingerprint({"regions": "aot"})
+        if self._regions_fingerprint is None:
+            self._regions_fingerprint = fingerprint({"regions": "aot"}) or ""
+        return self._regions_fingerprint or None
 
     def _load_regions(self, progress: Progress) -> None:
         """The precompiled regions' variants from the cache, verified; one that does not load (or
@@ -435,6 +438,9 @@ class WarmUp:
             parts.compile_cache.save()
         found = self._regions_file()
         if parts.precompiled is not None and parts.precompiled.new and found is not None:
-            parts.compile_cache.save_regions(found, parts.precompiled.serialized())
+            try:
+                parts.compile_cache.save_regions(found, parts.precompiled.serialized())
+            except Exception:  # noqa: BLE001 - an optimisation for later starts: this one serves on
+                logger.exception("the precompiled regions could not be saved; later starts compile them again")
         exact_rows = parts.exact.min_rows if self.exact_ok else None
         parts.record.save(parts.table.entries, parts.costs.startup, exact_rows)
