@@ -44,7 +44,7 @@ def attempt_result(error: BaseException | None, guarded: bool, may_compile: bool
     under dynamo's "fail_on_recompile" stance; `may_compile`: the caller may compile and come back."""
     if error is None:
         return CaptureResult.CAPTURED
-    if guarded and error is not None and would_compile(error):
+    if guarded and would_compile(error):
         return CaptureResult.NEEDS_COMPILE if may_compile else CaptureResult.RETRY_UNCOMPILED
     return CaptureResult.FAILED
 

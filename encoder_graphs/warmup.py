@@ -85,7 +85,7 @@ class WarmUp:
         self._private_inputs: StaticBuffers | None = None
         """Inputs the compiles run on, shaped as the table's shared ones (freed at the end)."""
         self._upcoming: list[GraphKey] = []
-        self._regions_fingerprint: str | None = None
+        self._fingerprint_found: str | None = None
 
     @property
     def full_speed(self) -> bool:
@@ -214,19 +214,19 @@ class WarmUp:
         self.compiled = True
         progress(f"compiled the padded forward in {time.perf_counter() - began:.1f} s")
 
-    def _regions_file(self) -> str | None:
+    def _regions_fingerprint(self) -> str | None:
         """The fingerprint naming our code version's precompiled regions, taken once, when they load
         (None: no sources to hash, or no cache: neither loaded nor saved)."""
         if self.parts.compile_cache is None:
             return None
-        if self._regions_fingerprint is None:
-            self._regions_fingerprint = fingerprint({"regions": "aot"}) or ""
-        return self._regions_fingerprint or None
+        if self._fingerprint_found is None:
+            self._fingerprint_found = fingerprint({"regions": "aot"}) or ""
+        return self._fingerprint_found or None
 
     def _load_regions(self, progress: Progress) -> None:
         """The precompiled regions' variants from the cache, verified; one that does not load (or
         traced a source that changed since) drops them all: the regions compile as without them."""
-        parts, found = self.parts, self._regions_file()
+        parts, found = self.parts, self._regions_fingerprint()
         blobs = None if found is None else parts.compile_cache.load_regions(found)
         if not blobs:
             return
@@ -436,7 +436,7 @@ class WarmUp:
             self.stage = "done"
         if parts.compile_cache is not None and parts.forwards.compiled is not None:
             parts.compile_cache.save()
-        found = self._regions_file()
+        found = self._regions_fingerprint()
         if parts.precompiled is not None and parts.precompiled.new and found is not None:
             try:
                 parts.compile_cache.save_regions(found, parts.precompiled.serialized())
