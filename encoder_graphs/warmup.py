@@ -230,12 +230,16 @@ class WarmUp:
         blobs = None if found is None else parts.compile_cache.load_regions(found)
         if not blobs:
             return
+        began = time.perf_counter()
         try:
             loaded = parts.precompiled.load(blobs)
         except Exception as error:  # noqa: BLE001 - ours, yet unusable here: compile instead
             logger.warning("precompiled regions %s not loaded (%s); compiling them anew", regions_name(found), error)
             return
-        progress(f"precompiled regions: {loaded} variants loaded from {regions_name(found)}")
+        progress(
+            f"precompiled regions: {loaded} variants loaded from {regions_name(found)} "
+            f"in {time.perf_counter() - began:.1f} s"
+        )
 
     def _warm_compiled(self, entry: GraphEntry) -> None:
         """The compiled forward once on private inputs shaped as `entry`'s, outside the lock:
