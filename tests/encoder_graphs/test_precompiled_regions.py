@@ -44,9 +44,11 @@ from tests.helpers import random_image, reference_item, reference_tower, relativ
 if sys.argv[2] == "other-code":  # what a change to our sources does to the fingerprint
     fingerprint = encoder_graphs.warmup.fingerprint
     encoder_graphs.warmup.fingerprint = lambda settings: fingerprint({**settings, "code": "changed"})
-encoder = from_preset("qwen3-vl-tiny", seed=4)
+preset, device, backend = sys.argv[3:6]
+dtype = torch.bfloat16 if device == "cuda" else torch.float32
+encoder = from_preset(preset, seed=4, device=device, dtype=dtype)
 config = GraphConfig(budgets=(64, 256), compile=True, precompile_regions=True, compile_cache=sys.argv[1])
-runner = EncoderRunner(encoder, config, precompiled=precompiled_regions("eager"))
+runner = EncoderRunner(encoder, config, precompiled=precompiled_regions(backend))
 runner.prepare(progress=lambda message: None)
 lines = []
 runner.warm_up(progress=lines.append)
@@ -67,16 +69,22 @@ print(json.dumps({
     "error": max(errors),
     "compiled": compiled,
     "fallbacks": runner.stats.recompile_fallbacks,
+    "captured_compiled": sum(e.graph is not None and e.forward is None for e in runner.entries.values()),
+    "graphs": len(runner.entries),
     "cache": str(runner.compile_cache.path),
     "key": runner.compile_cache.key,
 }))
 """
 
 
-def warm_up_in_fresh_process(cache: Path, state: Path, mode: str = "plain") -> dict:
-    """A replica's warm-up and two packs in a new process (its own dynamo and torch state)."""
+def warm_up_in_fresh_process(
+    cache: Path, state: Path, mode: str = "plain", preset: str = "qwen3-vl-tiny", device: str = "cpu"
+) -> dict:
+    """A replica's warm-up and two packs in a new process (its own dynamo and torch state); on CPU
+    with dynamo's "eager" backend, on a GPU with inductor, as a replica compiles."""
+    backend = "inductor" if device == "cuda" else "eager"
     done = subprocess.run(
-        [sys.executable, "-c", WARM_UP, str(cache), mode],
+        [sys.executable, "-c", WARM_UP, str(cache), mode, preset, device, backend],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "XDG_STATE_HOME": str(state)},
         capture_output=True,
@@ -277,3 +285,17 @@ def test_a_pack_no_variant_accepts_runs_uncompiled_while_serving():
     assert_matches_reference(reference, pixels, specs, runner.run(pixels, specs))
     assert runner.stats.recompile_fallbacks == 1 and runner.stats.last.graph
     assert would_compile(RegionMiss("region x")) and not would_compile(RuntimeError("other"))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_later_start_captures_loaded_variants_without_tracing(tmp_path):
+    """GPU, inductor, CUDA graphs: the first start compiles and saves; the second loads the
+    variants, traces nothing, captures every graph with the compiled forward (none fell back),
+    and its packs (a graph, the exact route) agree with transformers' bf16 tower."""
+    cache, state = tmp_path / "cache", tmp_path / "state"
+    first = warm_up_in_fresh_process(cache, state, preset="qwen3-vl-2b", device="cuda")
+    assert not loaded(first) and first["graphs_traced"] > 0 and len(regions_files(first)) == 1
+    found = warm_up_in_fresh_process(cache, state, preset="qwen3-vl-2b", device="cuda")
+    assert loaded(found) and found["graphs_traced"] == 0 and found["tracing"] == []
+    assert found["fallbacks"] == 0 and found["captured_compiled"] == found["graphs"] and all(found["compiled"])
+    assert found["error"] <= 0.05
