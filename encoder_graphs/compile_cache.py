@@ -11,10 +11,14 @@ torch, Triton, CUDA and the GPU) holds:
   every compile of a `dynamic=True` forward that matches into a cache hit: dynamo still traces,
   inductor and Triton do not run. Saved at the end of the warm-up when this process compiled
   something the file lacked, or found none it could trust.
+- `regions-<fingerprint>.bin` (`GraphConfig.precompile_regions`): the regions' AOT-compiled
+  variants (dynamo's transformed bytecode, guards and inductor's output, as
+  `AOTCompiledFunction.serialize` writes them), named by a fingerprint of our code so that a
+  variant is never loaded into another version of it: loaded, they run without dynamo tracing.
 - `warmup-<fingerprint>.json`: the warm-up record (`warmup_record.py`): each graph's check and
   replay time, one file per code version and check settings.
 
-Both are code or steer code, so both are signed (`cache_trust.py`): a file not signed with this
+All are code or steer code, so all are signed (`cache_trust.py`): a file not signed with this
 replica's key is refused before torch or a parser sees a byte of it (one warning naming the file
 and why), and the replica compiles as if the cache were empty, then saves a signed one. Triton's
 own cache (the kernels of our custom ops, such as the varlen attention kernel, which inductor's
@@ -41,7 +45,7 @@ import os
 import platform
 import stat
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -51,6 +55,8 @@ from .cache_trust import Signer, Untrusted
 logger = logging.getLogger(__name__)
 
 ARTIFACTS = "artifacts.bin"
+REGIONS_VERSION = 1
+HEADER_BYTES = 8
 
 
 def environment(device: torch.device) -> dict[str, str]:
@@ -97,6 +103,48 @@ def write_atomically(path: Path, data: bytes) -> bool:
             temporary.unlink(missing_ok=True)
         return False
     return True
+
+
+def regions_name(fingerprint: str) -> str:
+    """The precompiled regions' file of one code version (hex `fingerprint`: nothing else names a file)."""
+    if not fingerprint or not all(c in "0123456789abcdef" for c in fingerprint):
+        raise ValueError(f"a fingerprint is hex digits, got {fingerprint!r}")
+    return f"regions-{fingerprint}.bin"
+
+
+def pack_regions(regions: Mapping[str, Sequence[bytes]]) -> bytes:
+    """Serialized variants by region name in one blob: the header's length (8 bytes, big-endian),
+    a JSON header of each region's variant lengths, then the variants in that order. Pure."""
+    header = json.dumps(
+        {"version": REGIONS_VERSION, "regions": {name: [len(b) for b in blobs] for name, blobs in regions.items()}}
+    ).encode()
+    body = b"".join(blob for blobs in regions.values() for blob in blobs)
+    return len(header).to_bytes(HEADER_BYTES, "big") + header + body
+
+
+def unpack_regions(data: bytes) -> dict[str, list[bytes]]:
+    """What `pack_regions` packed; raises ValueError where `data` is not such a blob. Pure."""
+    size = int.from_bytes(data[:HEADER_BYTES], "big")
+    if len(data) < HEADER_BYTES + size:
+        raise ValueError("shorter than its header says")
+    header = json.loads(data[HEADER_BYTES : HEADER_BYTES + size])
+    if (
+        not isinstance(header, dict)
+        or header.get("version") != REGIONS_VERSION
+        or not isinstance(header.get("regions"), dict)
+    ):
+        raise ValueError(f"not precompiled regions of version {REGIONS_VERSION}")
+    regions, offset = {}, HEADER_BYTES + size
+    for name, lengths in header["regions"].items():
+        if not isinstance(lengths, list) or not all(type(n) is int and n > 0 for n in lengths):
+            raise ValueError(f"region {name!r}: lengths must be positive integers")
+        regions[name] = []
+        for length in lengths:
+            regions[name].append(data[offset : offset + length])
+            offset += length
+    if offset != len(data):
+        raise ValueError(f"{len(data) - offset} bytes beyond the variants its header names")
+    return regions
 
 
 def _misses() -> int:
@@ -205,4 +253,23 @@ class CompileCache:
         if not self.write(ARTIFACTS, saved[0]):
             return False
         logger.info("saved %d bytes of compiled artifacts to %s", len(saved[0]), self.artifacts)
+        return True
+
+    def load_regions(self, fingerprint: str) -> dict[str, list[bytes]] | None:
+        """The serialized variants of our code version's precompiled regions, by region name, their
+        signature checked first; None where there are none, or none trusted or readable (logged)."""
+        data = self.read(regions_name(fingerprint))
+        if data is None:
+            return None
+        try:
+            return unpack_regions(data)
+        except ValueError as error:
+            logger.warning("precompiled regions %s refused: %s", self.path / regions_name(fingerprint), error)
+            return None
+
+    def save_regions(self, fingerprint: str, regions: Mapping[str, Sequence[bytes]]) -> bool:
+        """Save the serialized variants, signed, atomically; False where nothing was saved."""
+        if not self.write(regions_name(fingerprint), pack_regions(regions)):
+            return False
+        logger.info("saved the precompiled regions (%d variants) to %s", sum(map(len, regions.values())), self.path)
         return True

@@ -70,6 +70,11 @@ class GraphConfig:
     """With `compile`: packs without a graph (larger than every budget, or cheaper unpadded) run
     the compiled forward on their exact layout where attention takes one launch per layer; costs
     two more compiles in the warm-up, and is checked against eager there."""
+    precompile_regions: bool = False
+    """With `compile`: compile the tower's regions ahead of time (`torch.compile(...).aot_compile`)
+    in the warm-up and keep them in `compile_cache` (signed, per code version), so that later starts
+    load them without dynamo tracing; a pack none of them fits runs uncompiled. Off: dynamo traces
+    on every start (the cache then spares inductor's work only)."""
     compile_cache: str | None = None
     """Directory (shared storage on a cluster) where compiled artifacts are kept, keyed by model,
     layouts, torch, Triton and GPU, so later replicas and restarts load them instead of compiling.
@@ -114,6 +119,12 @@ class GraphConfig:
             "finer_budget_range",
             "must be two budgets, the first > 0 and below the second (or null)",
             None if finer is None else list(finer),
+        )
+        _require(
+            self.compile or not self.precompile_regions,
+            "precompile_regions",
+            "needs graphs.compile: true (it precompiles the compiled regions)",
+            self.precompile_regions,
         )
         _require(
             self.compile_cache is None or self.compile_cache != "", "compile_cache", "must be a directory or null", ""

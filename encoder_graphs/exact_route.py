@@ -11,7 +11,7 @@ import torch
 
 from models.protocol import EncoderOutput, ItemSpec, VisionEncoder
 
-from .execute import Forwards, compile_state
+from .execute import Forwards, compile_state, would_compile
 from .selfcheck import synthetic_pixels
 from .stats import RunnerStats
 
@@ -65,7 +65,7 @@ class ExactRoute:
                 pixel_values = pixel_values.to(self.encoder.dtype, copy=pixel_values.is_inference())
                 return self.encoder.forward_eager(pixel_values, specs, forward=self.forwards.compiled)
         except RuntimeError as error:
-            if "fail_on_recompile" not in str(error):
+            if not would_compile(error):
                 raise
             logger.debug("exact-layout pack of %d items would recompile: %s", len(specs), error)
             return None

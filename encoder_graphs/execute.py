@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.protocol import EncoderOutput, ItemOutput, ItemSpec, VisionEncoder
+from models.protocol import EncoderOutput, ItemOutput, ItemSpec, RegionMiss, VisionEncoder
 
 from .entry import GraphEntry
 from .stats import RunnerStats
@@ -26,6 +26,13 @@ def compile_state():
     in AOT functionalization."""
     with torch.inference_mode(False), torch.no_grad():
         yield
+
+
+def would_compile(error: BaseException) -> bool:
+    """Whether `error` says the compiled forward would have needed a compile where it may not
+    (dynamo's "fail_on_recompile" stance, or a precompiled region's guard miss): the caller runs
+    the pack uncompiled instead."""
+    return isinstance(error, RegionMiss) or (isinstance(error, RuntimeError) and "fail_on_recompile" in str(error))
 
 
 @dataclass(frozen=True)
@@ -165,7 +172,7 @@ class EntryIO:
             with torch.compiler.set_stance("fail_on_recompile"):
                 self.forward_into(entry)
         except RuntimeError as error:
-            if "fail_on_recompile" not in str(error):
+            if not would_compile(error):
                 raise
             self.stats.recompile_fallbacks += 1
             logger.warning("the compiled forward would recompile for budget %s; it runs uncompiled", entry.key)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.protocol import EncoderOutput, VisionEncoder
+from models.protocol import EncoderOutput, PrecompiledRegions, VisionEncoder, precompiled_regions
 
 from .cache_trust import signer
 from .capture import GraphCapture
@@ -73,6 +73,9 @@ class RunnerParts:
     device_lock: threading.RLock = field(default_factory=threading.RLock)
     """Held by every pack and by each warm-up step that touches the device's shared state
     (see `warmup.py`); a replica takes it around its device-side preprocessing too."""
+    precompiled: PrecompiledRegions | None = None
+    """The regions compiled ahead of time (`GraphConfig.precompile_regions`): loaded from and saved
+    to the compile cache by the warm-up, which alone may compile new variants."""
 
     @property
     def device(self) -> torch.device:
@@ -90,9 +93,16 @@ def build_parts(
     config: GraphConfig = GraphConfig(),
     ladder: Ladder | None = None,
     compiled_forward: Callable[..., EncoderOutput] | None = None,
+    precompiled: PrecompiledRegions | None = None,
 ) -> RunnerParts:
     """The parts for `encoder` (see `EncoderRunner` for the arguments); allocates the static buffers."""
     device = encoder.device
+    if precompiled is None and compiled_forward is None and config.precompile_regions and device.type == "cuda":
+        precompiled = precompiled_regions()
+    if precompiled is not None:
+        if compiled_forward is not None:
+            raise ValueError("give a compiled forward or regions to precompile, not both")
+        compiled_forward = encoder.compiled_forward(precompiled)
     ladder = ladder or budget_ladder(config, encoder.min_item_tokens)
     use_graphs = config.cuda_graphs and device.type == "cuda"
     stats = RunnerStats()
@@ -108,22 +118,29 @@ def build_parts(
     capture = GraphCapture(device, memory) if use_graphs else None
     recurring = RecurringGraphs(encoder, config, table, io, capture, costs, stats, memory)
     planner = Planner(table, costs, exact)
-    cache = None if config.compile_cache is None else _compile_cache(encoder, config, ladder, table, use_graphs)
+    cache = None
+    if config.compile_cache is not None:
+        cache = _compile_cache(encoder, config, ladder, table, use_graphs, precompiled)
     checks = config.self_check and (use_graphs or compiled_forward is not None)
     settings = {"tolerance": config.self_check_tolerance, "compiled": compiled_forward is not None}
     record = RecordKeeper(cache if checks else None, settings, config.reuse_checks)
     return RunnerParts(
         encoder, config, ladder, use_graphs, stats, memory, table, forwards, io, costs, exact, capture, recurring,
-        planner, cache, record, Demand(table),
+        planner, cache, record, Demand(table), precompiled=precompiled,
     )  # fmt: skip
 
 
 def _compile_cache(
-    encoder: VisionEncoder, config: GraphConfig, ladder: Ladder, table: GraphTable, use_graphs: bool
+    encoder: VisionEncoder,
+    config: GraphConfig,
+    ladder: Ladder,
+    table: GraphTable,
+    use_graphs: bool,
+    precompiled: PrecompiledRegions | None,
 ) -> CompileCache:
     layouts = {
         "dynamic": True,
-        "regions": "layer",
+        "regions": "layer" if precompiled is None else f"layer-aot-{precompiled.backend}",
         "graphs": sorted(table.entries),
         "max_segments": ladder.max_segments,
         "segment_density": config.segment_density,

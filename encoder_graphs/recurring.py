@@ -23,7 +23,7 @@ from models.protocol import ItemSpec, VisionEncoder
 from .capture import GraphCapture
 from .config import GraphConfig
 from .entry import LIVE, GraphEntry, PackKey
-from .execute import EntryIO, Forwards
+from .execute import EntryIO, Forwards, would_compile
 from .memory import MemoryReport
 from .route_costs import SIGHTINGS_KEPT, RouteCosts, attention_shapes
 from .selfcheck import outputs_error, time_ms
@@ -207,7 +207,7 @@ class RecurringGraphs:
                         self.io.forward_into(entry)
                 break
             except RuntimeError as error:
-                if "fail_on_recompile" not in str(error):
+                if not would_compile(error):
                     raise
                 self.stats.recurring_uncompiled += 1
         return {name: tensor.clone() for name, tensor in entry.outputs.items()}

@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from models.protocol import EncoderOutput, VisionEncoder
+from models.protocol import EncoderOutput, PrecompiledRegions, VisionEncoder
 
 from .config import GraphConfig, Ladder
 from .entry import GraphEntry, GraphKey
@@ -34,12 +34,15 @@ class EncoderRunner(PackServer):
         config: GraphConfig = GraphConfig(),
         ladder: Ladder | None = None,
         compiled_forward: Callable[..., EncoderOutput] | None = None,
+        precompiled: PrecompiledRegions | None = None,
     ):
         """`ladder`: the deployment's (default: computed from `config`); `compiled_forward`: a
         compiled `encoder.forward_padded` to use (default with `config.compile` on CUDA: the
         encoder's `compiled_forward`, its repeated layer compiled once by `torch.compile`; tests
-        pass dynamo's "eager" backend on CPU)."""
-        super().__init__(build_parts(encoder, config, ladder, compiled_forward))
+        pass dynamo's "eager" backend on CPU); `precompiled`: instead, regions to compile ahead of
+        time (default with `config.precompile_regions` on CUDA: `models.protocol.precompiled_regions()`;
+        tests pass the "eager" backend's on CPU)."""
+        super().__init__(build_parts(encoder, config, ladder, compiled_forward, precompiled))
         self.warmup = WarmUp(self.parts)
 
     @property

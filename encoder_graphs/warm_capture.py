@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from .entry import GraphEntry
+from .execute import would_compile
 from .parts import RunnerParts
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def attempt_result(error: BaseException | None, guarded: bool, may_compile: bool
     under dynamo's "fail_on_recompile" stance; `may_compile`: the caller may compile and come back."""
     if error is None:
         return CaptureResult.CAPTURED
-    if guarded and isinstance(error, RuntimeError) and "fail_on_recompile" in str(error):
+    if guarded and would_compile(error):
         return CaptureResult.NEEDS_COMPILE if may_compile else CaptureResult.RETRY_UNCOMPILED
     return CaptureResult.FAILED
 

@@ -25,6 +25,7 @@ import torch
 
 from .budgets import sample_budgets
 from .buffers import StaticBuffers
+from .compile_cache import regions_name
 from .entry import DISABLED, LIVE, PENDING, GraphEntry, GraphKey
 from .graph_checks import UPCOMING_GRAPHS, CheckPipeline
 from .parts import RunnerParts
@@ -33,6 +34,7 @@ from .route_costs import attention_shapes
 from .selfcheck import best_ms, pack_error, synthetic_pixels
 from .table import input_specs
 from .warm_capture import CaptureResult, capture_graph
+from .warmup_record import fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class WarmUp:
         self._private_inputs: StaticBuffers | None = None
         """Inputs the compiles run on, shaped as the table's shared ones (freed at the end)."""
         self._upcoming: list[GraphKey] = []
+        self._fingerprint_found: str | None = None
 
     @property
     def full_speed(self) -> bool:
@@ -163,6 +166,8 @@ class WarmUp:
             self.stage = "failed"
             raise
         finally:
+            if parts.precompiled is not None:
+                parts.precompiled.compiling = False
             self._private_inputs = None  # only the warm-up compiles: stopped, failed or done
             self.checks.release()
         status = self.status()
@@ -193,16 +198,48 @@ class WarmUp:
         parts.costs.set_startup("eager_ms", points)
 
     def _compile(self, progress: Progress, stop: threading.Event) -> None:
-        """Load the compile cache, then compile the padded forward on the largest graph's layout."""
+        """Load the compile cache (and the precompiled regions), then compile the padded forward on
+        the largest graph's layout. Precompiled regions compile a variant on a miss from here on,
+        until the warm-up ends."""
         parts = self.parts
         if parts.compile_cache is not None:
             loaded = parts.compile_cache.load()
             progress(f"compile cache {parts.compile_cache.path}: {loaded} artifacts loaded")
+        if parts.precompiled is not None:
+            self._load_regions(progress)
+            parts.precompiled.compiling = True
         largest = parts.table.entries[max(parts.table.entries)]
         began = time.perf_counter()
         self._warm_compiled(largest)
         self.compiled = True
         progress(f"compiled the padded forward in {time.perf_counter() - began:.1f} s")
+
+    def _regions_fingerprint(self) -> str | None:
+        """The fingerprint naming our code version's precompiled regions, taken once, when they load
+        (None: no sources to hash, or no cache: neither loaded nor saved)."""
+        if self.parts.compile_cache is None:
+            return None
+        if self._fingerprint_found is None:
+            self._fingerprint_found = fingerprint({"regions": "aot"}) or ""
+        return self._fingerprint_found or None
+
+    def _load_regions(self, progress: Progress) -> None:
+        """The precompiled regions' variants from the cache, verified; one that does not load (or
+        traced a source that changed since) drops them all: the regions compile as without them."""
+        parts, found = self.parts, self._regions_fingerprint()
+        blobs = None if found is None else parts.compile_cache.load_regions(found)
+        if not blobs:
+            return
+        began = time.perf_counter()
+        try:
+            loaded = parts.precompiled.load(blobs)
+        except Exception as error:  # noqa: BLE001 - ours, yet unusable here: compile instead
+            logger.warning("precompiled regions %s not loaded (%s); compiling them anew", regions_name(found), error)
+            return
+        progress(
+            f"precompiled regions: {loaded} variants loaded from {regions_name(found)} "
+            f"in {time.perf_counter() - began:.1f} s"
+        )
 
     def _warm_compiled(self, entry: GraphEntry) -> None:
         """The compiled forward once on private inputs shaped as `entry`'s, outside the lock:
@@ -390,6 +427,8 @@ class WarmUp:
         forwards without graphs, the exact route, recurring graphs; then save the compile cache."""
         parts = self.parts
         with parts.device_lock:
+            if parts.precompiled is not None:
+                parts.precompiled.compiling = False  # serving: a miss runs uncompiled
             for entry in self._built:
                 if entry.enabled:
                     entry.state = LIVE
@@ -401,5 +440,11 @@ class WarmUp:
             self.stage = "done"
         if parts.compile_cache is not None and parts.forwards.compiled is not None:
             parts.compile_cache.save()
+        found = self._regions_fingerprint()
+        if parts.precompiled is not None and parts.precompiled.new and found is not None:
+            try:
+                parts.compile_cache.save_regions(found, parts.precompiled.serialized())
+            except Exception:  # noqa: BLE001 - an optimisation for later starts: this one serves on
+                logger.exception("the precompiled regions could not be saved; later starts compile them again")
         exact_rows = parts.exact.min_rows if self.exact_ok else None
         parts.record.save(parts.table.entries, parts.costs.startup, exact_rows)

@@ -112,6 +112,45 @@ class PackCapacityError(ValueError):
     """The items do not fit a layout (more segments or tokens than its buffers hold)."""
 
 
+class RegionMiss(RuntimeError):
+    """A precompiled region met inputs that none of its compiled variants accepts, where it may
+    not compile another (serving, or under dynamo's "fail_on_recompile" stance): the caller runs
+    the pack uncompiled, as it does where dynamo would recompile."""
+
+
+class PrecompiledRegions(Protocol):
+    """The `compile` a runner hands `VisionEncoder.compiled_forward` to precompile its regions
+    (`models.regions.PrecompiledRegions`): each region AOT-compiled per guard set, its variants
+    serialized into the compile cache and loaded on later starts without tracing."""
+
+    backend: str
+    compiling: bool
+    """Whether a guard miss compiles a new variant (the warm-up) or raises `RegionMiss` (serving)."""
+
+    def __call__(self, function: Callable[..., object]) -> Callable[..., object]: ...
+
+    @property
+    def new(self) -> bool:
+        """Whether a variant was compiled since the last `load`."""
+        ...
+
+    def load(self, blobs: Mapping[str, Sequence[bytes]]) -> int:
+        """Load serialized variants by region name (unknown names ignored); raises on any that does
+        not load or whose traced sources changed, keeping none of them. The number loaded."""
+        ...
+
+    def serialized(self) -> dict[str, list[bytes]]:
+        """Every region's variants, serialized, by region name."""
+        ...
+
+
+def precompiled_regions(backend: str = "inductor") -> PrecompiledRegions:
+    """A new set of precompiled regions compiling with dynamo's `backend` (tests: "eager")."""
+    from .regions import PrecompiledRegions as Regions
+
+    return Regions(backend)
+
+
 @runtime_checkable
 class VisionEncoder(Protocol):
     """A vision tower that can run padded packs with precomputed metadata."""
