@@ -14,6 +14,9 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
+from . import precompiled
+from .precompiled import RegionMiss as RegionMiss  # the runner catches it; encoder_graphs imports protocol only
+
 Modality = Literal["image", "video"]
 
 
@@ -112,15 +115,9 @@ class PackCapacityError(ValueError):
     """The items do not fit a layout (more segments or tokens than its buffers hold)."""
 
 
-class RegionMiss(RuntimeError):
-    """A precompiled region met inputs that none of its compiled variants accepts, where it may
-    not compile another (serving, or under dynamo's "fail_on_recompile" stance): the caller runs
-    the pack uncompiled, as it does where dynamo would recompile."""
-
-
 class PrecompiledRegions(Protocol):
     """The `compile` a runner hands `VisionEncoder.compiled_forward` to precompile its regions
-    (`models.regions.PrecompiledRegions`): each region AOT-compiled per guard set, its variants
+    (`models.precompiled.PrecompiledRegions`): each region AOT-compiled per guard set, its variants
     serialized into the compile cache and loaded on later starts without tracing."""
 
     backend: str
@@ -146,9 +143,7 @@ class PrecompiledRegions(Protocol):
 
 def precompiled_regions(backend: str = "inductor") -> PrecompiledRegions:
     """A new set of precompiled regions compiling with dynamo's `backend` (tests: "eager")."""
-    from .regions import PrecompiledRegions as Regions
-
-    return Regions(backend)
+    return precompiled.PrecompiledRegions(backend)
 
 
 @runtime_checkable

@@ -23,8 +23,8 @@ from encoder_graphs.config import GraphConfig
 from encoder_graphs.execute import would_compile
 from encoder_graphs.runner import EncoderRunner
 from models import from_preset
+from models.precompiled import PrecompiledRegions
 from models.protocol import RegionMiss, precompiled_regions
-from models.regions import PrecompiledRegions
 from tests.helpers import random_image, reference_item, reference_tower, relative_error
 
 ROOT = Path(__file__).resolve().parents[2]
