@@ -364,7 +364,7 @@ def probe_body(model: str) -> dict:
 
 def measure(system: str, args, out: Path) -> None:
     from benchmarks.common.environment import environment
-    from benchmarks.common.serving_systems import start_system, stop_system
+    from benchmarks.common.serving_systems import keep_serve_logs, start_system, stop_system
 
     def log(line: str) -> None:
         print(line, flush=True)
@@ -388,6 +388,7 @@ def measure(system: str, args, out: Path) -> None:
             path.write_text(json.dumps(record, indent=1))
     finally:
         stop_system(running)
+        keep_serve_logs(system, out)
     report(out)
 
 

@@ -127,3 +127,19 @@ def test_vllm_epd_sends_the_encoder_instance_the_request_unstreamed_with_one_tok
     body = {"model": "m", "messages": [{"role": "user"}], "max_tokens": 64, "stream": True, "stream_options": {}}
     assert encode_body(body) == {"model": "m", "messages": [{"role": "user"}], "max_tokens": 1}
     assert body["stream"] and body["max_tokens"] == 64  # the request itself, for the prefill-decode instance, unchanged
+
+
+def test_our_systems_keep_serves_logs_beside_the_results(tmp_path):
+    """A failed rate on a lent host is read from these afterwards: our systems' Serve logs in one archive."""
+    import tarfile
+
+    from benchmarks.common.serving_systems import keep_serve_logs
+
+    session = tmp_path / "session"
+    (session / "logs" / "serve").mkdir(parents=True)
+    (session / "logs" / "serve" / "replica_epd_ColocatedReplica_x.log").write_text("a line\n")
+    archive = keep_serve_logs("ours-colocated", tmp_path, session)
+    with tarfile.open(archive) as tar:
+        assert "serve-logs-ours-colocated/replica_epd_ColocatedReplica_x.log" in tar.getnames()
+    assert keep_serve_logs("vllm-dp2", tmp_path, session) is None  # vLLM's servers log to their own files
+    assert keep_serve_logs("ours", tmp_path, tmp_path / "no-session") is None

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,3 +162,15 @@ def stop_system(running: Running) -> None:
             process.wait(90)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
+
+
+def keep_serve_logs(system: str, out: Path, sessions: Path = Path("/tmp/ray/session_latest")) -> Path | None:
+    """Our systems' Serve logs (controller, proxy, each replica) as one archive beside the results, so a
+    failed rate can be read after the host is gone; None for vLLM's systems or where Ray kept none."""
+    logs = sessions / "logs" / "serve"
+    if system not in OURS or not logs.is_dir():
+        return None
+    archive = out / f"serve-logs-{system}.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(logs, arcname=f"serve-logs-{system}")
+    return archive
