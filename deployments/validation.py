@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from ray.serve.exceptions import RayServeException
 
 from .config import AppConfig, deployment_ladder
-from .deployment_names import LLM_SLOTS, deployment_names
+from .deployment_names import ENCODER, LLM_ENGINES, LLM_SLOTS, deployment_names, name_of
 
 
 class ConfigError(RayServeException):
@@ -255,7 +255,7 @@ def serve_schema_problems(document) -> list[str]:
     return problems
 
 
-SPLIT_SIDES = ("EncoderReplica", "LLMReplica", "VLLMReplica")
+SPLIT_SIDES = (name_of(ENCODER), *map(name_of, LLM_ENGINES.values()))
 """The deployments `llm.colocate` folds into `ColocatedReplica`."""
 
 

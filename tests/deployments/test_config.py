@@ -69,6 +69,9 @@ def test_yaml_errors_name_the_field_and_every_graph_field_is_described():
     document = yaml.safe_load("graphs:\n  max_budget_tokens: 8192\n  memory_fraction: 2\n")
     with pytest.raises(ValidationError, match=r"graphs.memory_fraction must be in \(0, 1\]; got 2"):
         AppConfig.model_validate(document)
+    uncompiled = {"graphs": {"compile": False, "precompile_regions": True}}
+    with pytest.raises(ValidationError, match=r"graphs.precompile_regions needs graphs.compile: true"):
+        AppConfig.model_validate(uncompiled)
     schema = AppConfig.model_json_schema()["$defs"]["GraphConfig"]
     fields = {field.name for field in dataclasses.fields(GraphConfig)}
     assert set(schema["properties"]) == fields and schema["additionalProperties"] is False
