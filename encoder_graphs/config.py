@@ -74,7 +74,7 @@ class GraphConfig:
     """With `compile`: compile the tower's regions ahead of time (`torch.compile(...).aot_compile`)
     in the warm-up and keep them in `compile_cache` (signed, per code version), so that later starts
     load them without dynamo tracing; a pack none of them fits runs uncompiled. Off: dynamo traces
-    on every start (the cache then spares inductor's work only)."""
+    on every start (the cache then spares inductor's work only). The GPU configs turn it on."""
     compile_cache: str | None = None
     """Directory (shared storage on a cluster) where compiled artifacts are kept, keyed by model,
     layouts, torch, Triton and GPU, so later replicas and restarts load them instead of compiling.
