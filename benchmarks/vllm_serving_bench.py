@@ -362,9 +362,10 @@ def probe_body(model: str) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
 
 
-def measure(system: str, args, out: Path) -> None:
+def measure(system: str, args, out: Path) -> int:
+    """Starts `system`, runs each workload's rates against it, saves and reports; the levels measured."""
     from benchmarks.common.environment import environment
-    from benchmarks.common.serving_systems import keep_serve_logs, start_system, stop_system
+    from benchmarks.common.serving_systems import keep_serve_logs, prefill_budgets, start_system, stop_system
 
     def log(line: str) -> None:
         print(line, flush=True)
@@ -378,18 +379,23 @@ def measure(system: str, args, out: Path) -> None:
     target = {"url": running.url, "model": running.model, "extra": running.extra, "encode_url": running.encode_url}
     record = {"system": system, "environment": environment(), "startup_s": round(time.monotonic() - started, 1)}
     record["workloads"] = dict(kept)
+    count = 0
     try:
         for name in args.workloads:
             # a few requests of the workload first: its first images and prompt lengths reach both sides
             run_warmup = argparse.Namespace(**{**vars(args), "rates": {name: [1]}, "seconds": 5})
             run_workload(name, run_warmup, target, lambda line: log("warm-up " + line))
             measured = run_workload(name, args, target, log)
+            count += len(measured)
             record["workloads"][name] = merge_levels(kept.get(name, []), measured)
             path.write_text(json.dumps(record, indent=1))
     finally:
         stop_system(running)
         keep_serve_logs(system, out)
+        record["max_num_batched_tokens"] = prefill_budgets(system, out)
+        path.write_text(json.dumps(record, indent=1))
     report(out)
+    return count
 
 
 # ---- the report ----
@@ -404,8 +410,10 @@ def report(out: Path) -> None:
     lines = ["# E/PD against vLLM alone (two GPUs, open loop)", ""]
     for system, record in records.items():
         env = record["environment"]
+        budgets = record.get("max_num_batched_tokens")
         lines.append(
             f"- {system}: {env['device']}, torch {env['torch']}, ray {env['ray']}, started in {record['startup_s']} s"
+            + ("" if budgets is None else f", vLLM's max_num_batched_tokens {budgets or 'not logged'}")
         )
     for name in WORKLOADS:
         lines += [
@@ -498,11 +506,15 @@ def main() -> None:
     args.deadline, args.max_tokens = time.monotonic() + args.time_limit, OUTPUT_TOKENS
     args.workloads = args.workloads.split(",")
     args.rates = parse_rates(args.rates, args.workloads)
-    for system in args.systems.split(","):
-        from benchmarks.common.serving_systems import SYSTEMS
+    from benchmarks.common.serving_systems import SYSTEMS
 
+    empty = []
+    for system in args.systems.split(","):
         assert system in SYSTEMS, f"{system}: one of {SYSTEMS}"
-        measure(system, args, args.out)
+        if measure(system, args, args.out) == 0:
+            empty.append(system)
+    if empty:  # a run that timed nothing must not pass for one that did
+        sys.exit(f"measured no rate for {', '.join(empty)}: the time limit ran out first (raise --time-limit)")
 
 
 if __name__ == "__main__":

@@ -143,3 +143,18 @@ def test_our_systems_keep_serves_logs_beside_the_results(tmp_path):
         assert "serve-logs-ours-colocated/replica_epd_ColocatedReplica_x.log" in tar.getnames()
     assert keep_serve_logs("vllm-dp2", tmp_path, session) is None  # vLLM's servers log to their own files
     assert keep_serve_logs("ours", tmp_path, tmp_path / "no-session") is None
+
+
+def test_each_systems_vllm_prefill_budgets_come_from_its_own_servers_logs(tmp_path):
+    """The report states every engine's `max_num_batched_tokens` as it logged it, per system."""
+    from benchmarks.common.serving_systems import prefill_budgets
+
+    line = "INFO [scheduler.py:252] Chunked prefill is enabled with max_num_batched_tokens={}.\n"
+    (tmp_path / "server-ours.log").write_text("(ServeReplica:epd:VLLMReplica pid=1) " + line.format(2048))
+    (tmp_path / "server-ours-colocated.log").write_text(line.format(8192) * 2)
+    (tmp_path / "server-vllm-epd.log").write_text(line.format(8192))
+    (tmp_path / "server-vllm-epd-encoder.log").write_text(line.format(65536))
+    assert prefill_budgets("ours", tmp_path) == [2048]
+    assert prefill_budgets("ours-colocated", tmp_path) == [8192, 8192]
+    assert prefill_budgets("vllm-epd", tmp_path) == [8192, 65536]
+    assert prefill_budgets("vllm-dp2", tmp_path) == []

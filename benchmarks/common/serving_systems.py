@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -174,3 +175,14 @@ def keep_serve_logs(system: str, out: Path, sessions: Path = Path("/tmp/ray/sess
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(logs, arcname=f"serve-logs-{system}")
     return archive
+
+
+def prefill_budgets(system: str, out: Path) -> list[int]:
+    """The `max_num_batched_tokens` every vLLM engine of `system` logged at start (its servers' logs;
+    ours: `serve run`'s, which carries the replicas'), so that a comparison shows its engines' scheduler
+    budgets side by side: an engine with a smaller one prefills long prompts in more steps."""
+    found = []
+    for log in (out / f"server-{system}.log", out / f"server-{system}-encoder.log"):  # vLLM's EPD: two servers
+        if log.exists():
+            found += [int(m) for m in re.findall(r"max_num_batched_tokens=(\d+)", log.read_text(errors="replace"))]
+    return found

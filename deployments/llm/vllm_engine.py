@@ -162,11 +162,16 @@ class VLLMReplica:
         start = time.perf_counter()
         before = before_constructor(IMPORTED)
         from vllm import AsyncLLMEngine
+        from vllm.usage.usage_lib import UsageContext
 
         settings = config.llm
         imported_s = time.perf_counter() - start
         logger.info("starting vLLM on %s (pid %d)", settings.path, os.getpid())
-        self.engine = AsyncLLMEngine.from_engine_args(engine_args(settings, config.limits.max_items_per_request))
+        # an OpenAI server's context: `vllm serve`'s scheduler defaults for this GPU (on an H100/H200 8192
+        # batched tokens and 1024 sequences), not the engine context's generic 2048 and 128
+        self.engine = AsyncLLMEngine.from_engine_args(
+            engine_args(settings, config.limits.max_items_per_request), usage_context=UsageContext.OPENAI_API_SERVER
+        )
         engine_s = time.perf_counter() - start - imported_s
         hf_config = self.engine.model_config.hf_config
         self.model_type = hf_config.model_type
