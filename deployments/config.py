@@ -257,7 +257,8 @@ class LLMSettings(_Strict):
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="vllm only: more `AsyncEngineArgs` (max_model_len, gpu_memory_utilization, enforce_eager, "
-        "limit_mm_per_prompt, ...); `model`, `dtype` and `enable_mm_embeds` are set from the fields above.",
+        "limit_mm_per_prompt, ...); `model`, `dtype` and `enable_mm_embeds` are set from the fields above. "
+        "What is not set takes `vllm serve`'s defaults for the GPU (max_num_batched_tokens, max_num_seqs).",
     )
     max_prompt_tokens: int = Field(
         8192,
