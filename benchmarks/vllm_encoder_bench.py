@@ -141,6 +141,7 @@ def our_runner(config_path: Path, checkpoint: str, device: torch.device, compile
     graphs = args.setdefault("graphs", {})
     if compile_ is not None:
         graphs["compile"] = compile_
+        graphs["precompile_regions"] = compile_ and graphs.get("precompile_regions", False)
     if cache is not None:
         graphs["compile_cache"] = cache
     config = AppConfig.model_validate(args)

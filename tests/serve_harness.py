@@ -133,6 +133,9 @@ class ServeHarness:
 
 REMOVE = object()
 """An override value that removes the key from the YAML's `args` (e.g. a GPU-only engine argument on CPU)."""
+UNCOMPILED = {"compile": False, "precompile_regions": False}
+"""`graphs` overrides for a GPU config run on CPU or against a reference: the tower uncompiled, as the
+references run it (compiling costs minutes on a small CPU host and is not what those tests check)."""
 
 
 def _merge(base: dict, overrides: dict) -> dict:

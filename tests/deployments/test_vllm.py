@@ -35,7 +35,7 @@ from models.protocol import ItemOutput
 from models.tiny_checkpoint import save_tiny_vlm
 from tests.deployments.media_helpers import pattern
 from tests.deployments.test_epd import openai_messages
-from tests.serve_harness import REMOVE
+from tests.serve_harness import REMOVE, UNCOMPILED
 
 FAMILIES = ["qwen2.5-vl", "qwen3-vl"]
 IMAGES = [pattern(200, 120, seed=1), pattern(90, 300, seed=2), pattern(320, 240, seed=3)]
@@ -146,6 +146,7 @@ def app(family, checkpoint, reference, serve_harness):
             "VLLMReplica": {"ray_actor_options": cpu},
         },
         model={"family": family, "path": checkpoint, "device": "cpu", "dtype": "float32"},
+        graphs=UNCOMPILED,
         limits={"max_items_per_request": 3},
         llm={
             "family": family,

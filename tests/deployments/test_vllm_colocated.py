@@ -12,7 +12,7 @@ from ray import serve
 # first: imports vLLM or skips the module (REQUIRE_VLLM=1: fails) as test_vllm does
 from models.tiny_checkpoint import save_tiny_vlm
 from tests.deployments.test_vllm import ENGINE_KWARGS, PROMPTS, SEED, chat, greedy, vllm_pil_messages
-from tests.serve_harness import REMOVE
+from tests.serve_harness import REMOVE, UNCOMPILED
 
 NAME = "epd-vllm-colocated"
 CPU = {"num_cpus": 0, "num_gpus": 0}
@@ -52,6 +52,7 @@ def url(checkpoint, reference, serve_harness):
             {"name": "ColocatedReplica", "num_replicas": 1, "ray_actor_options": CPU},
         ],
         model=model,
+        graphs=UNCOMPILED,
         limits={"max_items_per_request": 3},
         llm={
             **model,

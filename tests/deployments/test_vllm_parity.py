@@ -54,7 +54,7 @@ from deployments.wire import GenerateRequest, item_to_wire
 from models.protocol import ItemOutput
 from models.tiny_checkpoint import save_random_vlm, save_tiny_vlm
 from tests.deployments.test_epd import openai_messages
-from tests.serve_harness import REMOVE
+from tests.serve_harness import REMOVE, UNCOMPILED
 
 RESULTS_DIR = Path(os.environ.get("RESULTS_DIR", "/tmp/vlm-encoder-results"))  # not the checkout
 MAX_TOKENS = 64
@@ -88,9 +88,9 @@ CPU_ENGINE = {"enforce_eager": True, "max_model_len": 4096, "kv_cache_memory_byt
 # eager on both engines: the same LLM numerics, and starts without torch.compile
 GPU_ENGINE = {"enforce_eager": True, "max_model_len": 8192, "limit_mm_per_prompt": {"image": 3, "video": 1}}
 SETTINGS = {
-    "cpu": Setting("cpu", "cpu", "float32", {**CPU_ENGINE, "limit_mm_per_prompt": PROFILE_SMALL}),
+    "cpu": Setting("cpu", "cpu", "float32", {**CPU_ENGINE, "limit_mm_per_prompt": PROFILE_SMALL}, UNCOMPILED),
     # VLLM_PARITY_DTYPE=float32: both towers and LLMs in float32, where bf16 rounding no longer flips near-ties
-    "gpu": Setting("gpu", "cuda", os.environ.get("VLLM_PARITY_DTYPE", "bfloat16"), GPU_ENGINE, {"compile": False}),
+    "gpu": Setting("gpu", "cuda", os.environ.get("VLLM_PARITY_DTYPE", "bfloat16"), GPU_ENGINE, UNCOMPILED),
 }
 IMAGES = [picture(448, 448, 1), picture(640, 480, 2), picture(448, 448, 3)]
 """Two of one size (swapped in a control), one of another."""
