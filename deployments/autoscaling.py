@@ -6,6 +6,9 @@ counts requests, misjudges load. Each encoder replica reports
 each router had not yet placed on any replica (queued, or waiting for a slot) as its last pack
 there said; this policy sums the latest report of every running replica, and each router's
 latest figure once, and asks for `ceil(total_tokens / target_tokens_per_replica)` replicas.
+A `ColocatedReplica` (`llm.colocate`) also reports the generations it runs (`generating`): with
+`target_generations_per_replica` set the policy asks for the larger of the two counts, so the
+LLM's load scales the deployment too.
 
 Picking `target_tokens_per_replica`: a replica holding T tokens drains them in T / throughput
 seconds, so set target = tokens/s per replica x acceptable queueing seconds. Take tokens/s per
@@ -48,6 +51,8 @@ from ray.serve.config import AutoscalingContext
 QUEUED_TOKENS_METRIC = "queued_tokens"
 INFLIGHT_TOKENS_METRIC = "inflight_tokens"
 TOKEN_METRICS = (QUEUED_TOKENS_METRIC, INFLIGHT_TOKENS_METRIC)
+GENERATING_METRIC = "generating"
+"""A colocated replica's generations in flight (its LLM's load)."""
 ROUTER_WAITING_PREFIX = "router_waiting_tokens:"
 """Metrics named `<prefix><router id>`: tokens a router has not placed on any replica yet."""
 ROUTER_REPORT_PREFIX = "router_report:"
@@ -114,16 +119,32 @@ class TokenLoad:
     """Running replicas whose token report is missing or stale (counted as 0 tokens)."""
 
 
+def positive_number(value: Any) -> bool:
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return is_number and math.isfinite(value) and value > 0
+
+
 def check_target_tokens_per_replica(target_tokens_per_replica: Any) -> float:
     """The target as a float; raises AutoscalingPolicyConfigError unless it is finite and > 0."""
-    is_number = isinstance(target_tokens_per_replica, (int, float)) and not isinstance(target_tokens_per_replica, bool)
-    if is_number and math.isfinite(target_tokens_per_replica) and target_tokens_per_replica > 0:
+    if positive_number(target_tokens_per_replica):
         return float(target_tokens_per_replica)
     raise AutoscalingPolicyConfigError(
         f"target_tokens_per_replica must be a finite number of tokens > 0, got "
         f"{target_tokens_per_replica!r}; set autoscaling_config.policy.policy_kwargs."
         "target_tokens_per_replica to the benchmark's tokens/s per replica x the queueing "
         "seconds you accept (e.g. 40000 x 0.5 = 20000)"
+    )
+
+
+def check_target_generations_per_replica(target_generations_per_replica: Any) -> float | None:
+    """None (the LLM's load not counted) or the target as a float; raises AutoscalingPolicyConfigError
+    unless it is finite and > 0."""
+    if target_generations_per_replica is None or positive_number(target_generations_per_replica):
+        return None if target_generations_per_replica is None else float(target_generations_per_replica)
+    raise AutoscalingPolicyConfigError(
+        f"target_generations_per_replica must be a finite number of generations > 0, got "
+        f"{target_generations_per_replica!r}; set it to a colocated replica's requests/s at your TTFT "
+        "target x their mean seconds (e.g. 16 req/s x 1.5 s = 24)"
     )
 
 
@@ -157,6 +178,7 @@ def sum_token_load(
     running_replicas: Sequence[Any],
     now_s: float,
     stale_after_s: float,
+    metric_names: Sequence[str] = TOKEN_METRICS,
 ) -> TokenLoad:
     """Sum each running replica's latest token samples; missing or stale samples count 0.
 
@@ -164,13 +186,13 @@ def sum_token_load(
     of `TimeStampedValue(timestamp, value)`, oldest first, as the replica recorded them. The
     latest sample, not `aggregated_metrics`: a window mean lags a burst by up to
     look_back_period_s and cannot tell an idle replica from a silent one; Serve's delays
-    already debounce.
+    already debounce. `metric_names`: what is summed (the token metrics, or `GENERATING_METRIC`).
     """
     total_tokens = 0.0
     replicas_without_data = 0
     for replica_id in running_replicas:
         replica_complete = True
-        for metric_name in TOKEN_METRICS:
+        for metric_name in metric_names:
             series = raw_metrics.get(metric_name, {}).get(replica_id)
             # Clock skew between replica and controller can make the age negative: still fresh.
             if not series or now_s - series[-1].timestamp > stale_after_s:
@@ -192,15 +214,17 @@ def staleness_limit_s(config: Any) -> float:
 
 
 class TokenAutoscalingPolicy:
-    """Ray Serve 2.60 autoscaling policy: replicas = ceil(tokens / target_tokens_per_replica).
+    """Ray Serve 2.60 autoscaling policy: replicas = ceil(tokens / target_tokens_per_replica), or
+    ceil(generations / target_generations_per_replica) where that is more and the target is set.
 
     Serve instantiates the class once with `policy_kwargs` and calls the instance with an
     `AutoscalingContext` on every control-loop tick. It returns `(replicas, policy_state)`;
     Serve then applies scaling factors, delays and bounds (see the module docstring).
     """
 
-    def __init__(self, *, target_tokens_per_replica: float):
+    def __init__(self, *, target_tokens_per_replica: float, target_generations_per_replica: float | None = None):
         self.target_tokens_per_replica = check_target_tokens_per_replica(target_tokens_per_replica)
+        self.target_generations_per_replica = check_target_generations_per_replica(target_generations_per_replica)
 
     def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
         now_s = ctx.current_time if ctx.current_time is not None else time.time()
@@ -209,13 +233,18 @@ class TokenAutoscalingPolicy:
         load = sum_token_load(raw_metrics, ctx.running_replicas, now_s, stale_after_s)
         # Tokens the routers have not placed on a replica (queued, or waiting for a slot): no replica counts them.
         waiting = routers_waiting_tokens(raw_metrics, ctx.running_replicas, now_s, stale_after_s)
+        demand, missing = load.total_tokens + waiting, load.replicas_without_data
+        if self.target_generations_per_replica is not None:  # the LLM's load, in tokens at the targets' ratio
+            llm = sum_token_load(raw_metrics, ctx.running_replicas, now_s, stale_after_s, (GENERATING_METRIC,))
+            ratio = self.target_tokens_per_replica / self.target_generations_per_replica
+            demand, missing = max(demand, llm.total_tokens * ratio), max(missing, llm.replicas_without_data)
         # No running replica means no report at all (say, all restarting): hold, too.
-        metrics_complete = bool(ctx.running_replicas) and load.replicas_without_data == 0
+        metrics_complete = bool(ctx.running_replicas) and missing == 0
         # Requests waiting at handles are load even before a replica has counted their tokens.
         has_requests = (ctx.total_num_requests or 0) > 0
         min_replicas = max(ctx.capacity_adjusted_min_replicas, 1 if has_requests else 0)
         replicas = desired_replicas(
-            load.total_tokens + waiting,
+            demand,
             ctx.target_num_replicas,
             self.target_tokens_per_replica,
             min(min_replicas, ctx.capacity_adjusted_max_replicas),

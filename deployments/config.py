@@ -270,9 +270,9 @@ class LLMSettings(_Strict):
         False,
         description="One deployment, `ColocatedReplica`, runs an encoder and this LLM in each replica (one GPU "
         "each) instead of `EncoderReplica`s beside LLM replicas: every GPU encodes and generates, where a split "
-        "leaves the LLM part of the GPUs while the encoders idle on little vision. Set its `num_replicas` "
-        "(the token policy would see only the encoder's load); vLLM's `gpu_memory_utilization` must leave the "
-        "encoder its memory.",
+        "leaves the LLM part of the GPUs while the encoders idle on little vision. Set its `num_replicas`, or "
+        "autoscale it with the token policy's `target_generations_per_replica` (docs/autoscaling.md); vLLM's "
+        "`gpu_memory_utilization` must leave the encoder its memory.",
     )
 
     @property

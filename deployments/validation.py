@@ -259,19 +259,42 @@ SPLIT_SIDES = (name_of(ENCODER), *map(name_of, LLM_ENGINES.values()))
 """The deployments `llm.colocate` folds into `ColocatedReplica`."""
 
 
+def generations_target_problem(index: int, entry: dict, config: AppConfig) -> str | None:
+    """A colocated replica set to autoscale without the policy counting its LLM's generations, or
+    that count asked of a deployment that does not report it or above what its LLM can hold."""
+    scaling = entry.get("autoscaling_config")
+    policy = scaling.get("policy") if isinstance(scaling, dict) else None
+    kwargs = policy.get("policy_kwargs") if isinstance(policy, dict) else None
+    target = kwargs.get("target_generations_per_replica") if isinstance(kwargs, dict) else None
+    where = f"`deployments[{index}].autoscaling_config`"
+    if entry.get("name") != "ColocatedReplica" or config.llm is None or not config.llm.colocate:
+        if target is None:
+            return None
+        return f"{where} sets target_generations_per_replica: only a ColocatedReplica (`llm.colocate`) has them"
+    if not scaling:
+        return None
+    if target is None or "TokenAutoscalingPolicy" not in str(policy.get("policy_function", "")):
+        return (
+            f"{where} (ColocatedReplica) must count its LLM's load too: set `policy.policy_function: "
+            "deployments.autoscaling:TokenAutoscalingPolicy` with `policy_kwargs.target_generations_per_replica` "
+            "(docs/autoscaling.md), or `num_replicas`"
+        )
+    slots = LLM_SLOTS[config.llm.engine]
+    if isinstance(target, (int, float)) and not isinstance(target, bool) and target >= slots:
+        return f"{where}: target_generations_per_replica {target} is never exceeded: a replica runs at most {slots}"
+    return None
+
+
 def deployment_name_problems(app: dict, config: AppConfig) -> list[str]:
-    """Entries of the application's `deployments:` that name no deployment it builds, and a colocated
-    replica set to autoscale (the token policy sees only its encoder's load, not its LLM's)."""
+    """Entries of the application's `deployments:` that name no deployment it builds, and autoscaling
+    that cannot see a colocated replica's LLM load (`generations_target_problem`)."""
     names = deployment_names(config)
     colocated = config.llm is not None and config.llm.colocate
     problems = []
     for index, entry in enumerate(app.get("deployments") or []):
         name = entry.get("name") if isinstance(entry, dict) else None
-        if colocated and name == "ColocatedReplica" and entry.get("autoscaling_config"):
-            problems.append(
-                f"`deployments[{index}]` (ColocatedReplica) has an `autoscaling_config`: the token policy would "
-                "count its encoder's tokens only, not its LLM's requests; set `num_replicas`"
-            )
+        if isinstance(entry, dict) and (problem := generations_target_problem(index, entry, config)):
+            problems.append(problem)
         slots = entry.get("max_ongoing_requests") if colocated and name == "ColocatedReplica" else None
         if isinstance(slots, int) and slots <= LLM_SLOTS[config.llm.engine]:
             problems.append(

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 
 from encoder_graphs.config import Ladder
 
+from ..autoscaling import GENERATING_METRIC
 from ..config import AppConfig
 from ..deployment_names import LLM_ENGINES, LLM_SLOTS
 from ..encoder.replica import EncoderReplica
@@ -48,7 +49,8 @@ class ColocatedReplica:
         return {**self.encoder.record_routing_stats(), "generating": self.generating, "llm_slots": self.llm_slots}
 
     def record_autoscaling_stats(self) -> dict:
-        return self.encoder.record_autoscaling_stats()
+        """The encoder's tokens and the LLM's generations in flight (`TokenAutoscalingPolicy` weighs both)."""
+        return {**self.encoder.record_autoscaling_stats(), GENERATING_METRIC: float(self.generating)}
 
     # ---- the LLM's side
 

@@ -26,6 +26,7 @@ from ray.serve.schema import DeploymentSchema, ServeDeploySchema
 
 from deployments import autoscaling
 from deployments.autoscaling import (
+    GENERATING_METRIC,
     INFLIGHT_TOKENS_METRIC,
     QUEUED_TOKENS_METRIC,
     AutoscalingPolicyConfigError,
@@ -221,6 +222,43 @@ def test_policy_holds_when_no_replica_is_running_yet():
 def test_policy_keeps_one_replica_while_requests_wait_at_handles():
     ctx = token_context([(0, 0, 1.0)], target_num_replicas=1, min_replicas=0, total_num_requests=3)
     assert POLICY(ctx)[0] == 1
+
+
+COLOCATED = TokenAutoscalingPolicy(target_tokens_per_replica=TARGET_TOKENS, target_generations_per_replica=8)
+
+
+def with_generations(ctx: AutoscalingContext, generations: list[tuple[float, float] | None]) -> AutoscalingContext:
+    """`ctx` with each running replica's generations in flight, (count, age_s), or None: not reported."""
+    ctx.raw_metrics[GENERATING_METRIC] = {
+        replica: token_series(report[0], report[1], NOW_S)
+        for replica, report in zip(ctx.running_replicas, generations)
+        if report is not None
+    }
+    return ctx
+
+
+def test_a_colocated_policy_scales_on_generations_where_they_ask_for_more_replicas_than_tokens():
+    """Two replicas with 20 generations each at a target of 8 ask for 5, though their tokens ask for 1;
+    with more tokens than generations the tokens decide; idle both, one replica stays."""
+    light = token_context([(1_000, 0, 1.0)] * 2, target_num_replicas=2)
+    assert COLOCATED(with_generations(light, [(20, 1.0), (20, 1.0)]))[0] == 5
+    assert POLICY(with_generations(light, [(20, 1.0), (20, 1.0)]))[0] == 1  # without the target: tokens only
+    heavy = token_context([(30_000, 20_000, 1.0)] * 2, target_num_replicas=2)
+    assert COLOCATED(with_generations(heavy, [(4, 1.0), (4, 1.0)]))[0] == 10
+    idle = token_context([(0, 0, 1.0)] * 2, target_num_replicas=2)
+    assert COLOCATED(with_generations(idle, [(0, 1.0), (0, 1.0)]))[0] == 1
+
+
+def test_a_colocated_policy_holds_while_a_replica_has_not_reported_its_generations():
+    idle = token_context([(0, 0, 1.0)] * 2, target_num_replicas=2)
+    assert COLOCATED(with_generations(idle, [(0, 1.0), None]))[0] == 2
+    assert COLOCATED(with_generations(idle, [(0, 1.0), (0, 31.0)]))[0] == 2  # stale
+
+
+@pytest.mark.parametrize("bad_target", [0, -1, math.nan, math.inf, True, "24"])
+def test_bad_target_generations_per_replica_says_what_to_set(bad_target):
+    with pytest.raises(AutoscalingPolicyConfigError, match="target_generations_per_replica must be a finite number"):
+        TokenAutoscalingPolicy(target_tokens_per_replica=TARGET_TOKENS, target_generations_per_replica=bad_target)
 
 
 def test_tokens_the_routers_have_not_placed_count_once_per_router_at_their_latest_figure():

@@ -5,6 +5,8 @@ equal transformers' tower, and the application has no other deployment."""
 from __future__ import annotations
 
 import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -110,6 +112,59 @@ def test_more_streaming_chats_than_llm_slots_all_finish_and_free_their_slots(url
     assert reply.status_code == 200, reply.text
 
 
+def running_colocated(app: str) -> int:
+    return serve.status().applications[app].deployments["ColocatedReplica"].replica_states.get("RUNNING", 0)
+
+
+def test_generations_scale_a_colocated_deployment_up_and_idle_scales_it_back(serve_harness, checkpoint):
+    """On the token policy with `target_generations_per_replica` 2, streaming chats whose vision tokens
+    stay far under the token target add a second replica (the replicas report their generations);
+    idle, the deployment returns to one."""
+    name, model = "colocated-scale", {"family": "qwen3-vl", "path": checkpoint}
+    quick = {"upscale_delay_s": 1, "downscale_delay_s": 6, "metrics_interval_s": 0.5, "look_back_period_s": 2}
+    autoscaling = {**scaling(target_tokens_per_replica=10**6, target_generations_per_replica=2), **quick}
+    url = serve_harness.deploy(
+        "configs/epd.yaml",
+        name=name,
+        route_prefix=f"/{name}",
+        deployment_entries=[
+            {"name": "EncoderRouter", "num_replicas": 1, "ray_actor_options": CPU},
+            {
+                "name": "ColocatedReplica",
+                "autoscaling_config": {**autoscaling, "max_replicas": 2},
+                "ray_actor_options": CPU,
+            },
+        ],
+        model=model,
+        llm={**model, "colocate": True},
+    )
+    try:
+        assert running_colocated(name) == 1
+        served = httpx.get(url + "/v1/models", timeout=30).json()["data"][-1]["id"]
+        body = {"model": served, "messages": openai_messages(PROMPTS[1]), "max_tokens": 32, "ignore_eos": True}
+        stop, peak = time.monotonic() + 120, 1
+        with ThreadPoolExecutor(8) as pool, httpx.Client(timeout=120) as client:
+
+            def chats() -> None:
+                while time.monotonic() < stop and peak < 2:
+                    assert client.post(url + "/v1/chat/completions", json=body).status_code == 200
+
+            callers = [pool.submit(chats) for _ in range(8)]
+            while time.monotonic() < stop and peak < 2:
+                peak = max(peak, running_colocated(name))
+                time.sleep(0.5)
+            stop = time.monotonic()
+            for caller in callers:
+                caller.result()
+        assert peak == 2, "eight chats at once against a target of two generations did not add a replica"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and running_colocated(name) != 1:
+            time.sleep(1)
+        assert running_colocated(name) == 1, "the idle deployment kept its second replica"
+    finally:
+        serve_harness.remove(name)
+
+
 def test_colocation_is_validated_before_anything_starts():
     both = AppConfig(llm={"colocate": True})
     assert deployment_names(both) == ["EncoderRouter", "ColocatedReplica"]
@@ -126,10 +181,36 @@ def test_colocation_is_validated_before_anything_starts():
     AppConfig(model=model, llm={**vllm, "engine_kwargs": {"gpu_memory_utilization": 0.75}})
 
 
-def test_the_validator_names_the_colocated_deployment_and_refuses_its_autoscaling():
+def scaling(**policy_kwargs) -> dict:
+    policy = {"policy_function": "deployments.autoscaling:TokenAutoscalingPolicy", "policy_kwargs": policy_kwargs}
+    return {"min_replicas": 1, "max_replicas": 4, "policy": policy}
+
+
+def test_the_validator_names_the_colocated_deployment_and_asks_its_autoscaling_to_count_generations():
+    colocated = AppConfig(llm={"colocate": True})
     entries = [{"name": "EncoderReplica"}, {"name": "ColocatedReplica", "autoscaling_config": {"max_replicas": 4}}]
-    first, second = deployment_name_problems({"deployments": entries}, AppConfig(llm={"colocate": True}))
-    assert first.endswith("name it 'ColocatedReplica'") and "count its encoder's tokens only" in second
+    first, second = deployment_name_problems({"deployments": entries}, colocated)
+    assert first.endswith("name it 'ColocatedReplica'") and "must count its LLM's load too" in second
+    tokens_only = {"name": "ColocatedReplica", "autoscaling_config": scaling(target_tokens_per_replica=9000)}
+    (blind,) = deployment_name_problems({"deployments": [tokens_only]}, colocated)
+    assert "policy_kwargs.target_generations_per_replica" in blind
+    unreachable = {
+        "name": "ColocatedReplica",
+        "autoscaling_config": scaling(target_tokens_per_replica=1, target_generations_per_replica=16),
+    }
+    (never,) = deployment_name_problems({"deployments": [unreachable]}, colocated)
+    assert never.endswith("target_generations_per_replica 16 is never exceeded: a replica runs at most 16")
+    both = {
+        "name": "ColocatedReplica",
+        "autoscaling_config": scaling(target_tokens_per_replica=1, target_generations_per_replica=6),
+    }
+    assert deployment_name_problems({"deployments": [both]}, colocated) == []
+    encoder = {
+        "name": "EncoderReplica",
+        "autoscaling_config": scaling(target_tokens_per_replica=1, target_generations_per_replica=6),
+    }
+    (split,) = deployment_name_problems({"deployments": [encoder]}, AppConfig())
+    assert split.endswith("only a ColocatedReplica (`llm.colocate`) has them")
     (few,) = deployment_name_problems(
         {"deployments": [{"name": "ColocatedReplica", "max_ongoing_requests": 16}]}, AppConfig(llm={"colocate": True})
     )
