@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -20,6 +19,7 @@ from models import from_checkpoint
 from models.tiny_checkpoint import save_tiny_vlm
 from tests.deployments.media_helpers import b64, decode_embedding, image_file, reference_image
 from tests.deployments.test_epd import IMAGES, PROMPTS, monolithic_ids, openai_messages
+from tests.deployments.test_metrics_and_autoscaling import peak_replicas_under_load
 from tests.helpers import reference_tower, relative_error
 
 NAME = "epd-colocated"
@@ -33,20 +33,26 @@ def checkpoint(tmp_path_factory):
     return str(directory)
 
 
-@pytest.fixture(scope="module")
-def url(serve_harness, checkpoint):
+def deploy_colocated(serve_harness, checkpoint: str, name: str, replicas: dict) -> str:
+    """configs/epd.yaml with `llm.colocate` on CPU as application `name`; `replicas`: the
+    `ColocatedReplica`'s Serve options (its count or autoscaling)."""
     model = {"family": "qwen3-vl", "path": checkpoint}
-    url = serve_harness.deploy(
+    return serve_harness.deploy(
         "configs/epd.yaml",
-        name=NAME,
-        route_prefix=f"/{NAME}",
+        name=name,
+        route_prefix=f"/{name}",
         deployment_entries=[
             {"name": "EncoderRouter", "num_replicas": 1, "ray_actor_options": CPU},
-            {"name": "ColocatedReplica", "num_replicas": 2, "ray_actor_options": CPU},
+            {"name": "ColocatedReplica", "ray_actor_options": CPU, **replicas},
         ],
         model=model,
         llm={**model, "colocate": True},
     )
+
+
+@pytest.fixture(scope="module")
+def url(serve_harness, checkpoint):
+    url = deploy_colocated(serve_harness, checkpoint, NAME, {"num_replicas": 2})
     yield url
     serve.delete(NAME)
     serve_harness.apps.pop(NAME)
@@ -120,42 +126,19 @@ def test_generations_scale_a_colocated_deployment_up_and_idle_scales_it_back(ser
     """On the token policy with `target_generations_per_replica` 2, streaming chats whose vision tokens
     stay far under the token target add a second replica (the replicas report their generations);
     idle, the deployment returns to one."""
-    name, model = "colocated-scale", {"family": "qwen3-vl", "path": checkpoint}
+    name = "colocated-scale"
     quick = {"upscale_delay_s": 1, "downscale_delay_s": 6, "metrics_interval_s": 0.5, "look_back_period_s": 2}
     autoscaling = {**scaling(target_tokens_per_replica=10**6, target_generations_per_replica=2), **quick}
-    url = serve_harness.deploy(
-        "configs/epd.yaml",
-        name=name,
-        route_prefix=f"/{name}",
-        deployment_entries=[
-            {"name": "EncoderRouter", "num_replicas": 1, "ray_actor_options": CPU},
-            {
-                "name": "ColocatedReplica",
-                "autoscaling_config": {**autoscaling, "max_replicas": 2},
-                "ray_actor_options": CPU,
-            },
-        ],
-        model=model,
-        llm={**model, "colocate": True},
-    )
+    url = deploy_colocated(serve_harness, checkpoint, name, {"autoscaling_config": {**autoscaling, "max_replicas": 2}})
     try:
         assert running_colocated(name) == 1
         served = httpx.get(url + "/v1/models", timeout=30).json()["data"][-1]["id"]
         body = {"model": served, "messages": openai_messages(PROMPTS[1]), "max_tokens": 32, "ignore_eos": True}
-        stop, peak = time.monotonic() + 120, 1
-        with ThreadPoolExecutor(8) as pool, httpx.Client(timeout=120) as client:
 
-            def chats() -> None:
-                while time.monotonic() < stop and peak < 2:
-                    assert client.post(url + "/v1/chat/completions", json=body).status_code == 200
+        def chat(client: httpx.Client, _: int) -> None:
+            assert client.post(url + "/v1/chat/completions", json=body).status_code == 200
 
-            callers = [pool.submit(chats) for _ in range(8)]
-            while time.monotonic() < stop and peak < 2:
-                peak = max(peak, running_colocated(name))
-                time.sleep(0.5)
-            stop = time.monotonic()
-            for caller in callers:
-                caller.result()
+        peak = peak_replicas_under_load(lambda: running_colocated(name), chat, callers=8, seconds=120)
         assert peak == 2, "eight chats at once against a target of two generations did not add a replica"
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and running_colocated(name) != 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -126,26 +127,38 @@ def running_encoders(app: str) -> int:
     return states.get("RUNNING", 0)
 
 
-def peak_encoders_under_load(url: str, app: str, seconds: float = 90) -> int:
-    """16 clients sending four 400x400 PNGs a request until a second encoder replica runs (or
-    `seconds` pass); the most replicas seen running."""
-    files = [image_file(pattern(400, 400, seed=s), "PNG") for s in range(8)]
-    stop, peak = time.monotonic() + seconds, running_encoders(app)
-    with ThreadPoolExecutor(16) as pool, httpx.Client(timeout=60) as client:
+def peak_replicas_under_load(
+    running: Callable[[], int], send: Callable[[httpx.Client, int], None], callers: int, seconds: float = 90
+) -> int:
+    """`callers` threads calling `send(client, caller)` over and over until a second replica runs
+    (or `seconds` pass); the most replicas `running()` saw."""
+    stop, peak = time.monotonic() + seconds, running()
+    with ThreadPoolExecutor(callers) as pool, httpx.Client(timeout=120) as client:
 
-        def load(seed: int):
+        def load(caller: int) -> None:
             while time.monotonic() < stop and peak < 2:
-                items = [{"type": "image", "image": b64(files[(seed + i) % 8])} for i in range(4)]
-                client.post(url + "/v1/encode", json={"items": items, "cache": False})
+                send(client, caller)
 
-        futures = [pool.submit(load, s) for s in range(16)]
+        futures = [pool.submit(load, caller) for caller in range(callers)]
         while time.monotonic() < stop and peak < 2:
-            peak = max(peak, running_encoders(app))
+            peak = max(peak, running())
             time.sleep(0.5)
         stop = time.monotonic()
         for future in futures:
             future.result()
     return peak
+
+
+def peak_encoders_under_load(url: str, app: str, seconds: float = 90) -> int:
+    """16 clients sending four 400x400 PNGs a request until a second encoder replica runs (or
+    `seconds` pass); the most replicas seen running."""
+    files = [image_file(pattern(400, 400, seed=s), "PNG") for s in range(8)]
+
+    def send(client: httpx.Client, seed: int) -> None:
+        items = [{"type": "image", "image": b64(files[(seed + i) % 8])} for i in range(4)]
+        client.post(url + "/v1/encode", json={"items": items, "cache": False})
+
+    return peak_replicas_under_load(lambda: running_encoders(app), send, callers=16, seconds=seconds)
 
 
 def test_sustained_load_scales_encoders_up_and_idle_scales_them_back(serve_harness):
