@@ -8,7 +8,8 @@ there said; this policy sums the latest report of every running replica, and eac
 latest figure once, and asks for `ceil(total_tokens / target_tokens_per_replica)` replicas.
 A `ColocatedReplica` (`llm.colocate`) also reports the generations it runs (`generating`): with
 `target_generations_per_replica` set the policy asks for the larger of the two counts, so the
-LLM's load scales the deployment too.
+LLM's load scales the deployment too; requests queued at the handles (generations waiting for an
+LLM slot, packs for a pack slot) count as generations.
 
 Picking `target_tokens_per_replica`: a replica holding T tokens drains them in T / throughput
 seconds, so set target = tokens/s per replica x acceptable queueing seconds. Take tokens/s per
@@ -111,10 +112,10 @@ class AutoscalingPolicyConfigError(ValueError):
 
 @dataclass(frozen=True)
 class TokenLoad:
-    """Token load over a deployment's running replicas."""
+    """A load over a deployment's running replicas."""
 
-    total_tokens: float
-    """Queued plus in-flight tokens, summed over replicas with fresh reports."""
+    total: float
+    """The summed metrics (queued plus in-flight tokens, or generations) over replicas with fresh reports."""
     replicas_without_data: int
     """Running replicas whose token report is missing or stale (counted as 0 tokens)."""
 
@@ -144,7 +145,7 @@ def check_target_generations_per_replica(target_generations_per_replica: Any) ->
     raise AutoscalingPolicyConfigError(
         f"target_generations_per_replica must be a finite number of generations > 0, got "
         f"{target_generations_per_replica!r}; set it to a colocated replica's requests/s at your TTFT "
-        "target x their mean seconds (e.g. 16 req/s x 1.5 s = 24)"
+        "target x their mean seconds (docs/autoscaling.md: about 11 with many images, 30 with little vision)"
     )
 
 
@@ -156,8 +157,10 @@ def desired_replicas(
     max_replicas: int,
     *,
     metrics_complete: bool = True,
+    other_replicas: int = 0,
 ) -> int:
-    """Replicas needed for `total_tokens` at `target_tokens_per_replica` each, within bounds.
+    """Replicas needed for `total_tokens` at `target_tokens_per_replica` each, or `other_replicas`
+    (another load's count) where more, within bounds.
 
     `current_replicas` is the count Serve targets now; when `metrics_complete` is False some
     replicas did not report, so the answer never drops below it (hold rather than scale down
@@ -167,7 +170,7 @@ def desired_replicas(
     target_tokens_per_replica = check_target_tokens_per_replica(target_tokens_per_replica)
     assert min_replicas <= max_replicas, (min_replicas, max_replicas)
     # ceil keeps >= 1 replica under any load, whatever min_replicas says.
-    needed_replicas = math.ceil(max(total_tokens, 0.0) / target_tokens_per_replica)
+    needed_replicas = max(math.ceil(max(total_tokens, 0.0) / target_tokens_per_replica), other_replicas)
     if not metrics_complete:
         needed_replicas = max(needed_replicas, current_replicas)
     return min(max(needed_replicas, min_replicas), max_replicas)
@@ -188,7 +191,7 @@ def sum_token_load(
     look_back_period_s and cannot tell an idle replica from a silent one; Serve's delays
     already debounce. `metric_names`: what is summed (the token metrics, or `GENERATING_METRIC`).
     """
-    total_tokens = 0.0
+    total = 0.0
     replicas_without_data = 0
     for replica_id in running_replicas:
         replica_complete = True
@@ -198,9 +201,9 @@ def sum_token_load(
             if not series or now_s - series[-1].timestamp > stale_after_s:
                 replica_complete = False
                 continue
-            total_tokens += max(float(series[-1].value), 0.0)
+            total += max(float(series[-1].value), 0.0)
         replicas_without_data += not replica_complete
-    return TokenLoad(total_tokens, replicas_without_data)
+    return TokenLoad(total, replicas_without_data)
 
 
 def staleness_limit_s(config: Any) -> float:
@@ -233,23 +236,25 @@ class TokenAutoscalingPolicy:
         load = sum_token_load(raw_metrics, ctx.running_replicas, now_s, stale_after_s)
         # Tokens the routers have not placed on a replica (queued, or waiting for a slot): no replica counts them.
         waiting = routers_waiting_tokens(raw_metrics, ctx.running_replicas, now_s, stale_after_s)
-        demand, missing = load.total_tokens + waiting, load.replicas_without_data
-        if self.target_generations_per_replica is not None:  # the LLM's load, in tokens at the targets' ratio
+        missing, llm_replicas = load.replicas_without_data, 0
+        if self.target_generations_per_replica is not None:  # the LLM's load: generations run and waiting
             llm = sum_token_load(raw_metrics, ctx.running_replicas, now_s, stale_after_s, (GENERATING_METRIC,))
-            ratio = self.target_tokens_per_replica / self.target_generations_per_replica
-            demand, missing = max(demand, llm.total_tokens * ratio), max(missing, llm.replicas_without_data)
+            generations = llm.total + max(ctx.total_queued_requests or 0.0, 0.0)
+            llm_replicas = math.ceil(generations / self.target_generations_per_replica)
+            missing = max(missing, llm.replicas_without_data)
         # No running replica means no report at all (say, all restarting): hold, too.
         metrics_complete = bool(ctx.running_replicas) and missing == 0
         # Requests waiting at handles are load even before a replica has counted their tokens.
         has_requests = (ctx.total_num_requests or 0) > 0
         min_replicas = max(ctx.capacity_adjusted_min_replicas, 1 if has_requests else 0)
         replicas = desired_replicas(
-            demand,
+            load.total + waiting,
             ctx.target_num_replicas,
             self.target_tokens_per_replica,
             min(min_replicas, ctx.capacity_adjusted_max_replicas),
             ctx.capacity_adjusted_max_replicas,
             metrics_complete=metrics_complete,
+            other_replicas=llm_replicas,
         )
         # Serve keeps its own delay bookkeeping in policy_state and merges it back in.
         return replicas, {}

@@ -259,41 +259,53 @@ SPLIT_SIDES = (name_of(ENCODER), *map(name_of, LLM_ENGINES.values()))
 """The deployments `llm.colocate` folds into `ColocatedReplica`."""
 
 
-def generations_target_problem(index: int, entry: dict, config: AppConfig) -> str | None:
-    """A colocated replica set to autoscale without the policy counting its LLM's generations, or
-    that count asked of a deployment that does not report it or above what its LLM can hold."""
+TOKEN_POLICY = "deployments.autoscaling:TokenAutoscalingPolicy"
+
+
+def autoscaling_problem(index: int, entry: dict, config: AppConfig) -> str | None:
+    """An entry's token policy whose kwargs it would refuse when Serve builds it, a colocated replica
+    set to autoscale without counting its LLM's generations, or that count asked of a deployment
+    without generations or above what its LLM can hold."""
     scaling = entry.get("autoscaling_config")
     policy = scaling.get("policy") if isinstance(scaling, dict) else None
-    kwargs = policy.get("policy_kwargs") if isinstance(policy, dict) else None
-    target = kwargs.get("target_generations_per_replica") if isinstance(kwargs, dict) else None
+    token_policy = isinstance(policy, dict) and str(policy.get("policy_function", "")).strip() == TOKEN_POLICY
+    kwargs = policy.get("policy_kwargs") if token_policy else None
+    kwargs = kwargs if isinstance(kwargs, dict) else {}
     where = f"`deployments[{index}].autoscaling_config`"
+    if token_policy:
+        from .autoscaling import AutoscalingPolicyConfigError, TokenAutoscalingPolicy
+
+        try:
+            TokenAutoscalingPolicy(**kwargs)
+        except (AutoscalingPolicyConfigError, TypeError) as error:
+            return f"{where}.policy.policy_kwargs: {error}"
+    target = kwargs.get("target_generations_per_replica")
     if entry.get("name") != "ColocatedReplica" or config.llm is None or not config.llm.colocate:
         if target is None:
             return None
         return f"{where} sets target_generations_per_replica: only a ColocatedReplica (`llm.colocate`) has them"
     if not scaling:
         return None
-    if target is None or "TokenAutoscalingPolicy" not in str(policy.get("policy_function", "")):
+    if target is None:
         return (
-            f"{where} (ColocatedReplica) must count its LLM's load too: set `policy.policy_function: "
-            "deployments.autoscaling:TokenAutoscalingPolicy` with `policy_kwargs.target_generations_per_replica` "
-            "(docs/autoscaling.md), or `num_replicas`"
+            f"{where} (ColocatedReplica): autoscale it on `policy.policy_function: {TOKEN_POLICY}` with "
+            "`policy_kwargs.target_generations_per_replica`, its LLM's load (docs/autoscaling.md); or `num_replicas`"
         )
     slots = LLM_SLOTS[config.llm.engine]
-    if isinstance(target, (int, float)) and not isinstance(target, bool) and target >= slots:
+    if target >= slots:
         return f"{where}: target_generations_per_replica {target} is never exceeded: a replica runs at most {slots}"
     return None
 
 
 def deployment_name_problems(app: dict, config: AppConfig) -> list[str]:
     """Entries of the application's `deployments:` that name no deployment it builds, and autoscaling
-    that cannot see a colocated replica's LLM load (`generations_target_problem`)."""
+    that Serve or the policy would refuse or that misses a colocated replica's LLM load (`autoscaling_problem`)."""
     names = deployment_names(config)
     colocated = config.llm is not None and config.llm.colocate
     problems = []
     for index, entry in enumerate(app.get("deployments") or []):
         name = entry.get("name") if isinstance(entry, dict) else None
-        if isinstance(entry, dict) and (problem := generations_target_problem(index, entry, config)):
+        if isinstance(entry, dict) and (problem := autoscaling_problem(index, entry, config)):
             problems.append(problem)
         slots = entry.get("max_ongoing_requests") if colocated and name == "ColocatedReplica" else None
         if isinstance(slots, int) and slots <= LLM_SLOTS[config.llm.engine]:

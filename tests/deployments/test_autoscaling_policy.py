@@ -138,6 +138,7 @@ def token_context(
     target_num_replicas: int,
     now_s: float = NOW_S,
     total_num_requests: float = 0.0,
+    total_queued_requests: float = 0.0,
     policy_state: dict | None = None,
     **config_fields,
 ) -> AutoscalingContext:
@@ -159,7 +160,7 @@ def token_context(
         target_num_replicas=target_num_replicas,
         running_replicas=running,
         total_num_requests=total_num_requests,
-        total_queued_requests=0.0,
+        total_queued_requests=total_queued_requests,
         aggregated_metrics=None,  # the policy reads raw_metrics; Serve fills both lazily
         raw_metrics=raw_metrics,
         capacity_adjusted_min_replicas=config.min_replicas,
@@ -247,6 +248,27 @@ def test_a_colocated_policy_scales_on_generations_where_they_ask_for_more_replic
     assert COLOCATED(with_generations(heavy, [(4, 1.0), (4, 1.0)]))[0] == 10
     idle = token_context([(0, 0, 1.0)] * 2, target_num_replicas=2)
     assert COLOCATED(with_generations(idle, [(0, 1.0), (0, 1.0)]))[0] == 1
+
+
+def test_generations_at_their_target_ask_for_no_extra_replica_whatever_the_targets_ratio():
+    """11 generations at a target of 11 are one replica's worth, also where 15000 / 11 is inexact."""
+    policy = TokenAutoscalingPolicy(target_tokens_per_replica=15_000, target_generations_per_replica=11)
+    idle = token_context([(0, 0, 1.0)] * 2, target_num_replicas=2)
+    assert policy(with_generations(idle, [(11, 1.0), (0, 1.0)]))[0] == 1
+    assert policy(with_generations(idle, [(11, 1.0), (11, 1.0)]))[0] == 2
+
+
+def test_requests_queued_at_the_handles_count_as_generations_waiting_for_a_slot():
+    """Two replicas full at 16 generations each with 90 more queued at the handles: (32 + 90) / 8 -> 16,
+    where the replicas' own count alone asks for 4."""
+
+    def full(queued: float) -> AutoscalingContext:
+        ctx = token_context([(0, 0, 1.0)] * 2, target_num_replicas=2, total_queued_requests=queued)
+        return with_generations(ctx, [(16, 1.0), (16, 1.0)])
+
+    assert COLOCATED(full(0.0))[0] == 4
+    assert COLOCATED(full(90.0))[0] == 16
+    assert POLICY(full(90.0))[0] == 1  # without the target, queued requests only keep one replica
 
 
 def test_a_colocated_policy_holds_while_a_replica_has_not_reported_its_generations():

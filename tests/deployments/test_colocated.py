@@ -173,10 +173,27 @@ def test_the_validator_names_the_colocated_deployment_and_asks_its_autoscaling_t
     colocated = AppConfig(llm={"colocate": True})
     entries = [{"name": "EncoderReplica"}, {"name": "ColocatedReplica", "autoscaling_config": {"max_replicas": 4}}]
     first, second = deployment_name_problems({"deployments": entries}, colocated)
-    assert first.endswith("name it 'ColocatedReplica'") and "must count its LLM's load too" in second
+    assert first.endswith("name it 'ColocatedReplica'") and "target_generations_per_replica`, its LLM's load" in second
     tokens_only = {"name": "ColocatedReplica", "autoscaling_config": scaling(target_tokens_per_replica=9000)}
     (blind,) = deployment_name_problems({"deployments": [tokens_only]}, colocated)
     assert "policy_kwargs.target_generations_per_replica" in blind
+    for kwargs, error in [
+        (
+            {"target_tokens_per_replica": 1, "target_generations_per_replica": "24"},
+            "must be a finite number of generations",
+        ),
+        (
+            {"target_tokens_per_replica": 1, "target_generations_per_replica": 0},
+            "must be a finite number of generations",
+        ),
+        (
+            {"target_generations_per_replica": 6},
+            "missing 1 required keyword-only argument: 'target_tokens_per_replica'",
+        ),
+    ]:
+        entry = {"name": "ColocatedReplica", "autoscaling_config": scaling(**kwargs)}
+        (refused,) = deployment_name_problems({"deployments": [entry]}, colocated)
+        assert refused.startswith("`deployments[0].autoscaling_config`.policy.policy_kwargs: ") and error in refused
     unreachable = {
         "name": "ColocatedReplica",
         "autoscaling_config": scaling(target_tokens_per_replica=1, target_generations_per_replica=16),
