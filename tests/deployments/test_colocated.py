@@ -123,9 +123,10 @@ def running_colocated(app: str) -> int:
 
 
 def test_generations_scale_a_colocated_deployment_up_and_idle_scales_it_back(serve_harness, checkpoint):
-    """On the token policy with `target_generations_per_replica` 2, streaming chats whose vision tokens
-    stay far under the token target add a second replica (the replicas report their generations);
-    idle, the deployment returns to one."""
+    """On the token policy with `target_generations_per_replica` 2, chats whose vision tokens stay far
+    under the token target add a second replica (the replicas report their generations); then one
+    streamed chat at a time, under the target, lets it return to one replica, and every stream, the
+    one on the replica that leaves among them, ends with [DONE] and no error."""
     name = "colocated-scale"
     quick = {"upscale_delay_s": 1, "downscale_delay_s": 6, "metrics_interval_s": 0.5, "look_back_period_s": 2}
     autoscaling = {**scaling(target_tokens_per_replica=10**6, target_generations_per_replica=2), **quick}
@@ -140,10 +141,15 @@ def test_generations_scale_a_colocated_deployment_up_and_idle_scales_it_back(ser
 
         peak = peak_replicas_under_load(lambda: running_colocated(name), chat, callers=8, seconds=120)
         assert peak == 2, "eight chats at once against a target of two generations did not add a replica"
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and running_colocated(name) != 1:
-            time.sleep(1)
-        assert running_colocated(name) == 1, "the idle deployment kept its second replica"
+        deadline, streams = time.monotonic() + 90, 0
+        with httpx.Client(timeout=120) as client:
+            while time.monotonic() < deadline and (running_colocated(name) != 1 or streams < 2):
+                with client.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}) as response:
+                    events = [line for line in response.iter_lines() if line.startswith("data:")]
+                assert response.status_code == 200 and events[-1] == "data: [DONE]", events
+                assert not any('"error"' in event for event in events), events
+                streams += 1
+        assert running_colocated(name) == 1, "the deployment kept its second replica under one generation"
     finally:
         serve_harness.remove(name)
 
