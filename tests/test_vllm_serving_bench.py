@@ -6,6 +6,7 @@ import random
 
 import numpy as np
 import pytest
+import yaml
 from PIL import Image
 
 from benchmarks.vllm_serving_bench import (
@@ -158,3 +159,35 @@ def test_each_systems_vllm_prefill_budgets_come_from_its_own_servers_logs(tmp_pa
     assert prefill_budgets("ours-colocated", tmp_path) == [8192, 8192]
     assert prefill_budgets("vllm-epd", tmp_path) == [8192, 65536]
     assert prefill_budgets("vllm-dp2", tmp_path) == []
+
+
+def test_a_deployment_serve_could_not_make_fails_the_start_with_serves_reason(tmp_path):
+    """`serve run` keeps running when deploying fails: its log is the only sign, read while waiting."""
+    from benchmarks.common.serving_systems import deploy_failure
+
+    log = tmp_path / "server-ours.log"
+    log.write_text(
+        "\x1b[36m(ServeController pid=17955)\x1b[0m ERROR 2026-11-28 23:09:40,363 controller 17955 -- "
+        "Deploying app 'epd' failed with exception:\n"
+        "\x1b[36m(ServeController pid=17955)\x1b[0m `llm.engine_kwargs.max_model_len` (16384) exceeds the "
+        "checkpoint's max_position_embeddings=4096\n"
+    )
+    assert (
+        deploy_failure(log)
+        == "`llm.engine_kwargs.max_model_len` (16384) exceeds the checkpoint's max_position_embeddings=4096"
+    )
+    log.write_text("INFO -- Deployed app 'epd' successfully.\n")
+    assert (
+        deploy_failure(log) is None and deploy_failure(tmp_path / "none.log") is None and deploy_failure(None) is None
+    )
+
+
+def test_our_configs_take_the_vllm_servers_max_model_len_unless_their_own_is_smaller(tmp_path):
+    from benchmarks.common.serving_systems import MAX_MODEL_LEN, ROOT, ours_config
+
+    def engine(config: str) -> dict:
+        path = ours_config(ROOT / "configs" / config, "/ckpt", tmp_path, 8000, "ours", 64)
+        return yaml.safe_load(path.read_text())["applications"][0]["args"]["llm"]["engine_kwargs"]
+
+    assert engine("epd-vllm.yaml")["max_model_len"] == MAX_MODEL_LEN  # the GPU config's 32768 -> the servers'
+    assert engine("epd-vllm-cpu.yaml")["max_model_len"] == 4096  # the tiny checkpoint's limit stays

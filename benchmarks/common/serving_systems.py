@@ -50,16 +50,32 @@ class Running:
     model: str = ""
     extra: dict = field(default_factory=dict)
     encode_url: str | None = None
+    serve_log: Path | None = None
+    """Ours: `serve run`'s output, where a failed deployment shows (the process itself keeps running)."""
+
+
+def deploy_failure(log: Path | None) -> str | None:
+    """Why Serve failed to deploy the application, where `serve run`'s log says it did."""
+    if log is None or not log.exists():
+        return None
+    lines = log.read_text(errors="replace").splitlines()
+    for index, line in enumerate(lines):
+        if "Deploying app" in line and "failed" in line:
+            reason = lines[index + 1] if index + 1 < len(lines) else line
+            return re.sub(r"\x1b\[[0-9;]*m|\(ServeController pid=\d+\)", "", reason).strip()
+    return None
 
 
 def ours_config(base: Path, checkpoint: str, out: Path, port: int, system: str, max_tokens: int) -> Path:
-    """`base` (an E/PD config) serving the checkpoint on both sides, answers of `max_tokens` at most."""
+    """`base` (an E/PD config) serving the checkpoint on both sides, answers of `max_tokens` at most, and
+    vLLM's `max_model_len` the vLLM servers' (a config's own smaller one, a small checkpoint's, is kept)."""
     config = yaml.safe_load(base.read_text())
     config["http_options"]["port"] = port
     args = config["applications"][0]["args"]
     args["model"]["path"] = args["llm"]["path"] = checkpoint
     if args["llm"].get("engine") == "vllm":
-        args["llm"]["engine_kwargs"]["max_model_len"] = MAX_MODEL_LEN
+        engine = args["llm"].setdefault("engine_kwargs", {})
+        engine["max_model_len"] = min(MAX_MODEL_LEN, engine.get("max_model_len") or MAX_MODEL_LEN)
     args["llm"]["max_tokens"] = max_tokens
     path = out / f"{system}-config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -87,7 +103,8 @@ def start_system(system: str, args, out: Path, log, probe_body) -> Running:
             args.config or ROOT / "configs" / OURS[system], args.checkpoint, out, 8000, system, args.max_tokens
         )
         command = [sys.executable, "-m", "ray.serve.scripts", "run", str(config)]
-        running = Running([popen(command, env, out / f"server-{system}.log")], "http://127.0.0.1:8000")
+        log_path = out / f"server-{system}.log"
+        running = Running([popen(command, env, log_path)], "http://127.0.0.1:8000", serve_log=log_path)
     elif system == "vllm-dp2":
         server = vllm_server(args.checkpoint, 8100, ["--data-parallel-size", "2"], env, out / f"server-{system}.log")
         running = Running([server], "http://127.0.0.1:8100", extra={"return_token_ids": True})
@@ -132,6 +149,8 @@ def wait_ready(system: str, running: Running, timeout: float, log, probe_body) -
         for process in running.processes:
             if process.poll() is not None:
                 raise RuntimeError(f"{system}: a server exited with {process.returncode}")
+        if failure := deploy_failure(running.serve_log):
+            raise RuntimeError(f"{system}: Serve could not deploy it: {failure}")
         try:
             ids = [m["id"] for m in httpx.get(f"{running.url}/v1/models", timeout=5).json()["data"]]
             body = probe_body(ids[-1])

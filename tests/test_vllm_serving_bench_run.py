@@ -1,0 +1,60 @@
+"""The deployment comparison's benchmark run as a user runs it, on CPU: it starts our E/PD system
+(`configs/epd-vllm-cpu.yaml`, vLLM's CPU build) with `serve run`, measures one rate, reports, keeps
+the logs; a run whose time limit allowed no rate fails. Skipped without vLLM (the main CI env); the
+vLLM CI step (.ci/vllm) runs this file on its own, before its other tests, since the benchmark
+starts its own Ray and serves on port 8000."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401  (an ImportError here fails the vLLM CI step instead of skipping)
+else:
+    pytest.importorskip("vllm", reason="vLLM is not installed; the vLLM CI step (.ci/vllm) installs it")
+
+ROOT = Path(__file__).resolve().parents[1]
+OUTPUT_TOKENS = 64
+"""The benchmark's answer length (`vllm_serving_bench.OUTPUT_TOKENS`), greedy to the end."""
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-qwen3-vl-vllm") / "tiny-qwen3-vl-vllm"
+    command = [sys.executable, "-m", "models.tiny_checkpoint", "qwen3-vl", str(directory), "--for-vllm"]
+    subprocess.run(command, check=True, timeout=300)
+    return str(directory)
+
+
+def bench(checkpoint: str, out: Path, *more: str) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable, "benchmarks/vllm_serving_bench.py", "--checkpoint", checkpoint, "--systems", "ours",
+        "--config", "configs/epd-vllm-cpu.yaml", "--out", str(out), "--workloads", "image-light",
+        "--rates", "image-light=1", "--seconds", "4", "--startup-timeout", "600", *more,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_the_benchmark_measures_our_system_at_a_rate_and_reports_it(checkpoint, tmp_path):
+    run = bench(checkpoint, tmp_path)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    record = json.loads((tmp_path / "ours.json").read_text())
+    (level,) = record["workloads"]["image-light"]
+    assert level["rate"] == 1 and level["errors"] == 0 and level["answered"] == level["sent"] >= 1, level
+    assert level["output_tokens_mean"] == OUTPUT_TOKENS and level["ttft_p50_s"] > 0
+    budgets = record["max_num_batched_tokens"]  # read from the vLLM engine's own start-up line
+    assert budgets and all(budget > 0 for budget in budgets), budgets
+    assert "| ours | 1 | 4 |" in (tmp_path / "vllm_serving.md").read_text()
+    assert (tmp_path / "serve-logs-ours.tgz").is_file() and (tmp_path / "server-ours.log").is_file()
+
+
+def test_a_run_that_measured_no_rate_fails(checkpoint, tmp_path):
+    run = bench(checkpoint, tmp_path, "--time-limit", "1")
+    assert run.returncode == 1 and "measured no rate for ours" in run.stderr, run.stdout[-4000:] + run.stderr[-4000:]
