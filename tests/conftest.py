@@ -58,6 +58,19 @@ def serve_harness():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def tiny_vllm_checkpoint(tmp_path_factory) -> str:
+    """The tiny vLLM-shaped Qwen3-VL checkpoint, written by the README's command
+    (`python -m models.tiny_checkpoint qwen3-vl DIR --for-vllm`)."""
+    import subprocess
+    import sys
+
+    directory = tmp_path_factory.mktemp("tiny-qwen3-vl-vllm") / "tiny-qwen3-vl-vllm"
+    command = [sys.executable, "-m", "models.tiny_checkpoint", "qwen3-vl", str(directory), "--for-vllm"]
+    subprocess.run(command, check=True, timeout=300)
+    return str(directory)
+
+
 SHARED_APPS = {"encoder"}
 """Applications many test modules use as is (`configs/local.yaml`): kept for the whole session."""
 

@@ -24,14 +24,6 @@ OUTPUT_TOKENS = 64
 """The benchmark's answer length (`vllm_serving_bench.OUTPUT_TOKENS`), greedy to the end."""
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny-qwen3-vl-vllm") / "tiny-qwen3-vl-vllm"
-    command = [sys.executable, "-m", "models.tiny_checkpoint", "qwen3-vl", str(directory), "--for-vllm"]
-    subprocess.run(command, check=True, timeout=300)
-    return str(directory)
-
-
 def bench(checkpoint: str, out: Path, *more: str) -> subprocess.CompletedProcess:
     command = [
         sys.executable, "benchmarks/vllm_serving_bench.py", "--checkpoint", checkpoint, "--systems", "ours",
@@ -42,8 +34,8 @@ def bench(checkpoint: str, out: Path, *more: str) -> subprocess.CompletedProcess
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
-def test_the_benchmark_measures_our_system_at_a_rate_and_reports_it(checkpoint, tmp_path):
-    run = bench(checkpoint, tmp_path)
+def test_the_benchmark_measures_our_system_at_a_rate_and_reports_it(tiny_vllm_checkpoint, tmp_path):
+    run = bench(tiny_vllm_checkpoint, tmp_path)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     record = json.loads((tmp_path / "ours.json").read_text())
     (level,) = record["workloads"]["image-light"]
@@ -55,6 +47,6 @@ def test_the_benchmark_measures_our_system_at_a_rate_and_reports_it(checkpoint, 
     assert (tmp_path / "serve-logs-ours.tgz").is_file() and (tmp_path / "server-ours.log").is_file()
 
 
-def test_a_run_that_measured_no_rate_fails(checkpoint, tmp_path):
-    run = bench(checkpoint, tmp_path, "--time-limit", "1")
+def test_a_run_that_measured_no_rate_fails(tiny_vllm_checkpoint, tmp_path):
+    run = bench(tiny_vllm_checkpoint, tmp_path, "--time-limit", "1")
     assert run.returncode == 1 and "measured no rate for ours" in run.stderr, run.stdout[-4000:] + run.stderr[-4000:]

@@ -5,8 +5,6 @@ Skipped without vLLM (the main CI env); the vLLM CI step (.ci/vllm) sets `REQUIR
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,28 +27,19 @@ START_WITHIN_S = 600
 """Room for vLLM's import and engine start on a shared 2-core CI machine (seconds when idle)."""
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """The tiny vLLM-shaped checkpoint, written by the README's command."""
-    directory = tmp_path_factory.mktemp("tiny-qwen3-vl-vllm") / "tiny-qwen3-vl-vllm"
-    command = [sys.executable, "-m", "models.tiny_checkpoint", "qwen3-vl", str(directory), "--for-vllm"]
-    subprocess.run(command, check=True, timeout=300)
-    return str(directory)
-
-
 def shipped_paths() -> set[str]:
     args = yaml.safe_load(CONFIG.read_text())["applications"][0]["args"]
     return {args["model"]["path"], args["llm"]["path"]}
 
 
-def test_the_validator_passes_the_shipped_config_with_its_checkpoint(checkpoint, tmp_path):
+def test_the_validator_passes_the_shipped_config_with_its_checkpoint(tiny_vllm_checkpoint, tmp_path):
     (shipped,) = shipped_paths()
     config = tmp_path / "epd-vllm-cpu.yaml"
-    config.write_text(CONFIG.read_text().replace(shipped, checkpoint))
+    config.write_text(CONFIG.read_text().replace(shipped, tiny_vllm_checkpoint))
     assert check_file(str(config)) == []
 
 
-def test_the_shipped_cpu_config_starts_and_answers_a_chat(checkpoint, serve_harness):
+def test_the_shipped_cpu_config_starts_and_answers_a_chat(tiny_vllm_checkpoint, serve_harness):
     """Only the checkpoint's place (a temporary directory here), the application's name and route
     differ from the file; every engine argument is as shipped."""
     (shipped,) = shipped_paths()
@@ -59,8 +48,8 @@ def test_the_shipped_cpu_config_starts_and_answers_a_chat(checkpoint, serve_harn
         name=NAME,
         route_prefix=f"/{NAME}",
         wait=False,
-        model={"path": checkpoint},
-        llm={"path": checkpoint},
+        model={"path": tiny_vllm_checkpoint},
+        llm={"path": tiny_vllm_checkpoint},
     )
     serve_harness.wait_running(NAME, START_WITHIN_S)
     serve_harness.wait_healthy(url, START_WITHIN_S)
