@@ -117,7 +117,7 @@ class TokenLoad:
     total: float
     """The summed metrics (queued plus in-flight tokens, or generations) over replicas with fresh reports."""
     replicas_without_data: int
-    """Running replicas whose token report is missing or stale (counted as 0 tokens)."""
+    """Running replicas whose report of those metrics is missing or stale (counted as 0)."""
 
 
 def positive_number(value: Any) -> bool:
@@ -140,8 +140,10 @@ def check_target_tokens_per_replica(target_tokens_per_replica: Any) -> float:
 def check_target_generations_per_replica(target_generations_per_replica: Any) -> float | None:
     """None (the LLM's load not counted) or the target as a float; raises AutoscalingPolicyConfigError
     unless it is finite and > 0."""
-    if target_generations_per_replica is None or positive_number(target_generations_per_replica):
-        return None if target_generations_per_replica is None else float(target_generations_per_replica)
+    if target_generations_per_replica is None:
+        return None
+    if positive_number(target_generations_per_replica):
+        return float(target_generations_per_replica)
     raise AutoscalingPolicyConfigError(
         f"target_generations_per_replica must be a finite number of generations > 0, got "
         f"{target_generations_per_replica!r}; set it to a colocated replica's requests/s at your TTFT "
