@@ -32,7 +32,8 @@ the same model with our runner's budgets, our items per pack, and frames per bat
 stream's longest video) and `vllm-eager`. Ours is `EncoderRunner` as `--config` (default
 `configs/gpu.yaml`) sets it up, on our router's packs of the whole stream queued; stream packs run
 as first sightings (`recurring=False`: random mixes rarely recur), the 448x448 image also as it
-recurs. `ours-vllm-calls` is our runner on vLLM's batches, one call each (its steps' modality
+recurs; `--also-attention fa3` adds `ours-fa3`, the same on another attention kernel.
+`ours-vllm-calls` is our runner on vLLM's batches, one call each (its steps' modality
 runs): against `ours` it measures our packing, against vLLM our forward. Throughput: one pass
 over the stream with one synchronization at its end; latency: another pass synchronized around
 each call (ours: a pack; vLLM: one `execute` call). Passes rotate between systems, `--rounds`
@@ -129,8 +130,16 @@ def latency_summary(samples: list[tuple[float, int]]) -> dict:
 # ---- the two systems ----
 
 
-def our_runner(config_path: Path, checkpoint: str, device: torch.device, compile_: bool | None, cache: str | None):
-    """(encoder, runner, ladder, warm-up seconds): `EncoderRunner` as the config sets it up, on the checkpoint."""
+def our_runner(
+    config_path: Path,
+    checkpoint: str,
+    device: torch.device,
+    compile_: bool | None,
+    cache: str | None,
+    attention: str | None = None,
+):
+    """(encoder, runner, ladder, warm-up seconds): `EncoderRunner` as the config sets it up, on the
+    checkpoint (with `attention`, that kernel)."""
     from deployments.app import deployment_ladder
     from deployments.config import AppConfig
     from deployments.encoder.replica import load_encoder
@@ -138,6 +147,8 @@ def our_runner(config_path: Path, checkpoint: str, device: torch.device, compile
 
     args = yaml.safe_load(config_path.read_text())["applications"][0]["args"]
     args["model"] = {**{k: v for k, v in args["model"].items() if k != "preset"}, "path": checkpoint}
+    if attention is not None:
+        args["model"]["attention"] = attention
     if device.type != "cuda":
         args["model"].update(device="cpu", dtype="float32")
     graphs = args.setdefault("graphs", {})
@@ -368,6 +379,12 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--vllm-kwargs", default="{}", help="more vllm.LLM arguments, JSON")
+    parser.add_argument(
+        "--also-attention",
+        nargs="*",
+        default=[],
+        help="more kernels for our side (model.attention), each a system `ours-<kernel>` on our packs",
+    )
     parser.add_argument("--tuned", action=argparse.BooleanOptionalAction, default=True, help="also vllm-tuned")
     parser.add_argument(
         "--time-limit", type=float, default=float("inf"), help="seconds: fewer rounds rather than no results"
@@ -397,6 +414,13 @@ def main() -> None:
     )
     tokens = [s.output_tokens for s in specs]
     print(f"stream: {len(specs)} items, {sum(tokens)} tokens; our warm-up {warm_s:.1f} s", flush=True)
+    others = {}  # the same config on other attention kernels: (runner, warm-up s)
+    for kernel in args.also_attention:
+        print(f"ours-{kernel}: loading and warming up", flush=True)
+        _, other, _, other_s = our_runner(
+            args.config, str(checkpoint), device, args.compile, args.compile_cache, attention=kernel
+        )
+        others[f"ours-{kernel}"] = (other, other_s)
 
     options = {"max_model_len": args.max_model_len, "max_num_batched_tokens": args.max_num_batched_tokens}
     if device.type == "cuda":
@@ -436,12 +460,10 @@ def main() -> None:
     ]
     agreed, compared = agreement(runner, model, managers, batches, specs)
     print(f"agreement with ours (max relative error over {compared} items): {agreed}", flush=True)
-    calls = {
-        "ours": [
-            (our_call(runner, torch.cat([rows[i] for i in p]), [specs[i] for i in p]), sum(tokens[i] for i in p))
-            for p in packs
-        ]
-    }
+    pack_rows = [(torch.cat([rows[i] for i in p]), [specs[i] for i in p], sum(tokens[i] for i in p)) for p in packs]
+    calls = {"ours": [(our_call(runner, r, s), t) for r, s, t in pack_rows]}
+    for name, (other, _) in others.items():
+        calls[name] = [(our_call(other, r, s), t) for r, s, t in pack_rows]
     # ours on vLLM's calls: what our runner makes of the very batches vLLM's scheduler hands its
     # encoder, which separates the packing (ours against this) from the forward (this against vLLM)
     calls["ours-vllm-calls"] = [
@@ -459,6 +481,7 @@ def main() -> None:
     paths = {
         "ours": our_call(runner, single_rows, [single_spec]),
         "ours-recurring": our_call(runner, single_rows, [single_spec], recurring=True),
+        **{name: our_call(other, single_rows, [single_spec]) for name, (other, _) in others.items()},
     }
     single_batch = vllm_batch("image", single_rows, [single_spec.grid_thw])
     for name, manager in managers.items():
@@ -498,6 +521,15 @@ def main() -> None:
             "graph_budgets": list(runner.table.budgets),
             "packs": len(packs),
             "stats": runner.stats.snapshot(),
+            "attention": runner.encoder.compile_identity().get("attention"),
+            "others": {
+                name: {
+                    "warm_up_s": s,
+                    "attention": other.encoder.compile_identity().get("attention"),
+                    "stats": other.stats.snapshot(),
+                }
+                for name, (other, s) in others.items()
+            },
         },
         vllm_engine={
             "start_s": engine_s,

@@ -9,8 +9,9 @@ process may run different kernels.
 - CUDA, padded layouts: one varlen kernel over every segment, driven by `cu_seqlens` in a static
   int32 buffer, with no host sync, so it captures in a CUDA graph. Kernels: FlashAttention-2,
   cuDNN's through `nvidia-cudnn-frontend` (from `CUDNN_MIN_SEQLEN` up; it caches its built graph,
-  which torch's own cuDNN varlen path rebuilds per call), or ours in Triton
-  (`models/triton_attention.py`: a tile as wide as the head). Every segment, padding included,
+  which torch's own cuDNN varlen path rebuilds per call), ours in Triton
+  (`models/triton_attention.py`: a tile as wide as the head), or FlashAttention-3 on Hopper
+  (the build vLLM ships, `vllm.vllm_flash_attn`: faster than ours on long segments). Every segment, padding included,
   must be <= `max_seqlen` or the result is silently wrong; `models/layout.py` guarantees it.
 - Exact layouts (unpadded; the caller names the segment lengths with `exact_segments`): each run
   of equal segments is one dense `[count, heads, length, dim]` batch through SDPA (cuDNN first),
@@ -24,6 +25,8 @@ process may run different kernels.
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -38,10 +41,10 @@ IMPLEMENTATION_PREFIX = "flash_varlen_encoder"
 EXACT_SEGMENTS = "exact_segments"
 """Keyword (passed through the tower to attention) carrying an `ExactSegments` hint; set only by
 exact-layout forwards, never a padded budget graph."""
-BACKENDS = ("auto", "cudnn", "flash", "triton")
+BACKENDS = ("auto", "cudnn", "fa3", "flash", "triton")
 DEFAULT_BACKEND = "auto"
-KERNELS = ("sdpa", "flash", "cudnn", "triton")
-"""Resolved kernels: "sdpa" on CPU, the other three on CUDA."""
+KERNELS = ("sdpa", "flash", "cudnn", "triton", "fa3")
+"""Resolved kernels: "sdpa" on CPU, the others on CUDA."""
 MAX_GROUPS = 8
 """At most this many runs of equal segments become dense batches; more keep one varlen launch."""
 CUDNN_MIN_SEQLEN = 512
@@ -125,6 +128,29 @@ def triton_available(device: torch.device | None = None) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 8
 
 
+@functools.cache
+def fa3_varlen_function():
+    """FlashAttention-3's varlen function from the build vLLM ships, or None where it does not
+    import or cannot run FA3. Importing it runs vLLM's package init, which sets environment
+    variables for vLLM's own processes (inductor's compile threads among them): they are put back."""
+    saved = dict(os.environ)
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func, is_fa_version_supported
+    except Exception:  # noqa: BLE001 - vLLM not installed, or a build without the extension
+        return None
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return flash_attn_varlen_func if is_fa_version_supported(3) else None
+
+
+def fa3_available(device: torch.device | None = None) -> bool:
+    """Whether FlashAttention-3 can serve: a Hopper GPU (FA3 is built for sm90 only) and vLLM's build."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    return fa3_varlen_function() is not None
+
+
 def cudnn_frontend_available(device: torch.device | None = None) -> bool:
     """Whether cuDNN's varlen kernel can serve: the frontend imports and the GPU is Hopper or newer."""
     if not torch.cuda.is_available():
@@ -159,6 +185,26 @@ def cudnn_varlen_attention(
 
 
 @cudnn_varlen_attention.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, scale):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("vlm_encoder::fa3_varlen_attention", mutates_args=())
+def fa3_varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
+) -> torch.Tensor:
+    """FlashAttention-3's varlen kernel as one opaque op (it captures in a CUDA graph: vLLM replays
+    it in its own encoder graphs). Zero-length trailing slots are allowed."""
+    from .triton_attention import aligned
+
+    q, k, v = (aligned(t) for t in (q, k, v))
+    return fa3_varlen_function()(
+        q, k, v, max_seqlen_q=max_seqlen, cu_seqlens_q=cu_seqlens, max_seqlen_k=max_seqlen,
+        cu_seqlens_k=cu_seqlens, softmax_scale=scale, causal=False, fa_version=3,
+    )  # fmt: skip
+
+
+@fa3_varlen_attention.register_fake
 def _(q, k, v, cu_seqlens, max_seqlen, scale):
     return torch.empty_like(q)
 
@@ -211,7 +257,8 @@ class AttentionBackend:
 
     kernel: str
     """"sdpa" (CPU), "flash" (FlashAttention-2), "cudnn" (cuDNN's varlen from `CUDNN_MIN_SEQLEN`,
-    FlashAttention-2 below) or "triton" (ours, every varlen layout)."""
+    FlashAttention-2 below), "triton" (ours, every varlen layout) or "fa3" (FlashAttention-3,
+    every varlen layout)."""
     max_groups: int = MAX_GROUPS
     """Most runs of equal segments an exact layout attends to as dense batches."""
 
@@ -223,7 +270,7 @@ class AttentionBackend:
     def resolve(cls, name: str = DEFAULT_BACKEND, device: torch.device | str = "cpu") -> AttentionBackend:
         """The backend for a config name on `device`: CPU always runs "sdpa"; on CUDA "auto" is
         "triton" on a Hopper or newer GPU with Triton, else "cudnn" where it can serve, else
-        "flash"; "cudnn" and "triton" raise where they cannot serve."""
+        "flash"; "cudnn", "fa3" and "triton" raise where they cannot serve."""
         if name not in BACKENDS:
             raise ValueError(f"attention backend {name!r} is not one of {BACKENDS}")
         device = torch.device(device)
@@ -231,6 +278,13 @@ class AttentionBackend:
             return cls("sdpa")
         if name == "auto" and triton_available(device) and torch.cuda.get_device_capability(device)[0] >= 9:
             name = "triton"
+        if name == "fa3":
+            if not fa3_available(device):
+                raise ValueError(
+                    "attention backend 'fa3' needs a Hopper GPU and vLLM's FlashAttention-3 build "
+                    "(README: E/PD with vLLM); use 'auto' for ours in Triton"
+                )
+            return cls("fa3")
         if name == "triton":
             if not triton_available(device):
                 raise ValueError("attention backend 'triton' needs a CUDA GPU (Ampere or newer) and triton")
@@ -259,22 +313,23 @@ class AttentionBackend:
     # ---- what the graph runner asks (through the encoder) ----
 
     def graph_seqlen_buckets(self, budget_rows: int) -> tuple[int, ...] | None:
-        """Under "triton": `TRITON_GRAPH_BUCKETS` below the rows, then the rows; else None (the
-        other kernels' grids grow with `max_seqlen`: one bucket per doubling)."""
-        if self.kernel != "triton":
+        """Under "triton" and "fa3" (whose scheduler reads each segment's length on the device):
+        `TRITON_GRAPH_BUCKETS` below the rows, then the rows; else None (the other kernels' grids
+        grow with `max_seqlen`: one bucket per doubling)."""
+        if self.kernel not in ("triton", "fa3"):
             return None
         return (*(b for b in TRITON_GRAPH_BUCKETS if b < budget_rows), budget_rows)
 
     def exact_in_one_call(self, lengths: Sequence[int]) -> bool:
         """Whether an exact layout of these segment lengths takes one attention launch per layer."""
-        return len(set(lengths)) <= 1 or self.kernel == "triton"
+        return len(set(lengths)) <= 1 or self.kernel in ("triton", "fa3")
 
     # ---- kernel choices (pure) ----
 
     def varlen_kernel(self, max_seqlen: int, head_dim: int) -> str:
-        """The CUDA varlen kernel for a layout: "triton", "cudnn" or "flash"."""
-        if self.kernel == "triton" and head_dim % 8 == 0:  # 16-byte rows
-            return "triton"
+        """The CUDA varlen kernel for a layout: "triton", "fa3", "cudnn" or "flash"."""
+        if self.kernel in ("triton", "fa3") and head_dim % 8 == 0:  # 16-byte rows
+            return self.kernel
         if self.kernel == "cudnn" and max_seqlen >= CUDNN_MIN_SEQLEN:
             return "cudnn"
         return "flash"
@@ -282,7 +337,10 @@ class AttentionBackend:
     def dense_on_cuda(
         self, groups: Sequence[tuple[int, int]], max_seqlen: int, head_dim: int, launch_bound: bool
     ) -> bool:
-        """Whether an exact CUDA layout of these runs attends as dense batches (else one varlen launch)."""
+        """Whether an exact CUDA layout of these runs attends as dense batches (else one varlen
+        launch, always under "fa3": its kernel reads each segment's length, as ours does)."""
+        if self.kernel == "fa3":
+            return False
         triton = self.kernel == "triton"
         several = len(groups) > 1 and (triton or self.varlen_kernel(max_seqlen, head_dim) == "cudnn")
         long = max_seqlen > TRITON_OVER_DENSE_SEQLEN
@@ -298,7 +356,7 @@ class AttentionBackend:
         if kernel == "flash":
             return _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        op = triton_varlen_attention if kernel == "triton" else cudnn_varlen_attention
+        op = {"triton": triton_varlen_attention, "fa3": fa3_varlen_attention}.get(kernel, cudnn_varlen_attention)
         return op(q, k, v, cu_seqlens, max_seqlen, scale)
 
     def dense(self, q, k, v, length: int, scale: float) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""GPU: cuDNN's varlen kernel (through nvidia-cudnn-frontend) and our Triton kernel on the
-runner's padded layouts, in a CUDA graph, against attention written out per segment in float32."""
+"""GPU: cuDNN's varlen kernel (through nvidia-cudnn-frontend), our Triton kernel and
+FlashAttention-3 (vLLM's build) on the runner's padded layouts, in a CUDA graph, against
+attention written out per segment in float32."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def backend(kernel: str) -> RecordsVarlen:
         pytest.skip("needs nvidia-cudnn-frontend on Hopper+")
     if kernel == "triton" and not attention.triton_available():
         pytest.skip("needs triton on an Ampere or newer GPU")
+    if kernel == "fa3" and not attention.fa3_available():
+        pytest.skip("needs vLLM's FlashAttention-3 build on a Hopper GPU")
     return RecordsVarlen(kernel)
 
 
@@ -49,7 +52,7 @@ def per_segment(q, k, v, bounds, scale):
     return out
 
 
-@pytest.mark.parametrize("kernel", ["cudnn", "triton"])
+@pytest.mark.parametrize("kernel", ["cudnn", "triton", "fa3"])
 @pytest.mark.parametrize("head_dim", [72, 80])
 @pytest.mark.parametrize(
     "lengths, max_seqlen",

@@ -38,14 +38,17 @@ def packs(encoder, rng):
     }
 
 
-@pytest.mark.parametrize("backend", ["flash", "cudnn", "triton"])
+@pytest.mark.parametrize("backend", ["flash", "cudnn", "triton", "fa3"])
 @pytest.mark.parametrize("preset", ["qwen2.5-vl-7b", "qwen3-vl-8b"])
 def test_graph_error_is_within_1_5x_of_transformers_bf16(preset, backend):
-    """Every varlen kernel: FlashAttention-2, cuDNN's where the frontend is installed, ours (Triton)."""
+    """Every varlen kernel: FlashAttention-2, cuDNN's where the frontend is installed, ours (Triton),
+    FlashAttention-3 where vLLM's build is."""
     if backend == "cudnn" and not attention.cudnn_frontend_available():
         pytest.skip("needs nvidia-cudnn-frontend on Hopper+")
     if backend == "triton" and not attention.triton_available():
         pytest.skip("needs triton on an Ampere or newer GPU")
+    if backend == "fa3" and not attention.fa3_available():
+        pytest.skip("needs vLLM's FlashAttention-3 build on a Hopper GPU")
     encoder = from_preset(preset, dtype=torch.bfloat16, device="cuda", seed=0, attention=backend)
     assert encoder.attention.kernel == backend
     fp32 = transformers_tower(encoder, dtype=torch.float32)

@@ -288,6 +288,9 @@ def test_varlen_kernel_is_chosen_by_backend_and_max_seqlen():
     ]
     assert flash.varlen_kernel(threshold * 8, 72) == "flash"
     assert triton.varlen_kernel(64, 72) == "triton" and triton.varlen_kernel(64, 36) == "flash"
+    fa3 = AttentionBackend("fa3")
+    assert fa3.varlen_kernel(64, 72) == fa3.varlen_kernel(threshold * 8, 80) == "fa3"
+    assert fa3.varlen_kernel(64, 36) == "flash"  # rows FlashAttention-3 cannot load: FlashAttention-2
 
 
 @pytest.mark.parametrize(
@@ -302,6 +305,8 @@ def test_varlen_kernel_is_chosen_by_backend_and_max_seqlen():
         ("triton", [(1, 5000)], 5000, 72, False, False),  # long, narrow head: Triton (TMA loads)
         ("triton", [(1, 5000)], 5000, 80, False, True),  # long at a head dim of 80: dense cuDNN
         ("triton", [(1, 1024), (2, 784)], 1024, 80, False, False),  # several runs: one Triton launch
+        ("fa3", [(4, 784)], 784, 72, False, False),  # FlashAttention-3: one varlen launch, always
+        ("fa3", [(1, 5000)], 5000, 80, True, False),
     ],
 )
 def test_exact_layouts_pick_dense_batches_or_one_varlen_launch(
@@ -311,8 +316,9 @@ def test_exact_layouts_pick_dense_batches_or_one_varlen_launch(
 
 
 def test_backends_answer_what_the_graph_runner_asks():
-    triton, cudnn = AttentionBackend("triton"), AttentionBackend("cudnn")
+    triton, cudnn, fa3 = AttentionBackend("triton"), AttentionBackend("cudnn"), AttentionBackend("fa3")
     assert triton.graph_seqlen_buckets(8192) == (1024, 4096, 8192) and triton.graph_seqlen_buckets(1024) == (1024,)
+    assert fa3.graph_seqlen_buckets(8192) == (1024, 4096, 8192) and fa3.exact_in_one_call([784, 256])
     assert cudnn.graph_seqlen_buckets(8192) is None  # one bucket per doubling
     assert cudnn.exact_in_one_call([784, 784]) and not cudnn.exact_in_one_call([784, 256])
     assert triton.exact_in_one_call([784, 256])
