@@ -64,11 +64,12 @@ class ModelSettings(_Strict):
     attention: Literal["auto", "cudnn", "fa3", "flash", "triton"] = Field(
         "auto",
         description="CUDA varlen attention kernel: cudnn (cuDNN's, through nvidia-cudnn-frontend, the "
-        "`cudnn` extra; Hopper or newer; FlashAttention-2 for short segments), fa3 (FlashAttention-3 as "
-        "vLLM ships it: Hopper and vLLM installed), flash (FlashAttention-2 only), triton (ours, a "
-        "head-wide tile: models/triton_attention.py) or auto (triton on Hopper or newer, else cudnn where "
-        "it can serve, else flash). Equal unpadded segments run dense cuDNN SDPA under each but fa3 "
-        "(under triton: in CUDA graphs only, and not long ones at Qwen3-VL's head dim).",
+        "`cudnn` extra; Hopper or newer; FlashAttention-2 for short segments), fa3 (FlashAttention-3 as vLLM "
+        "ships it, triton for small images: Hopper, vLLM installed), flash (FlashAttention-2 only), triton "
+        "(ours, a head-wide tile: models/triton_attention.py) or auto (triton on Hopper or newer, else cudnn "
+        "where it can serve, else flash). Equal unpadded segments run dense cuDNN SDPA under each (under "
+        "triton: in CUDA graphs only, and not long ones at Qwen3-VL's head dim; under fa3 also only under "
+        "1025 patches).",
     )
     switch_interval_ms: float = Field(
         0.2,

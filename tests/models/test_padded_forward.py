@@ -288,9 +288,10 @@ def test_varlen_kernel_is_chosen_by_backend_and_max_seqlen():
     ]
     assert flash.varlen_kernel(threshold * 8, 72) == "flash"
     assert triton.varlen_kernel(64, 72) == "triton" and triton.varlen_kernel(64, 36) == "flash"
-    fa3 = AttentionBackend("fa3")
-    assert fa3.varlen_kernel(64, 72) == fa3.varlen_kernel(threshold * 8, 80) == "fa3"
-    assert fa3.varlen_kernel(64, 36) == "flash"  # rows FlashAttention-3 cannot load: FlashAttention-2
+    fa3, long = AttentionBackend("fa3"), attention.FA3_MIN_SEQLEN
+    assert fa3.varlen_kernel(long, 72) == fa3.varlen_kernel(8192, 80) == "fa3"
+    assert fa3.varlen_kernel(long - 1, 72) == fa3.varlen_kernel(784, 80) == "triton"  # small images: ours
+    assert fa3.varlen_kernel(8192, 36) == "flash"  # rows neither can load: FlashAttention-2
 
 
 @pytest.mark.parametrize(
@@ -305,8 +306,10 @@ def test_varlen_kernel_is_chosen_by_backend_and_max_seqlen():
         ("triton", [(1, 5000)], 5000, 72, False, False),  # long, narrow head: Triton (TMA loads)
         ("triton", [(1, 5000)], 5000, 80, False, True),  # long at a head dim of 80: dense cuDNN
         ("triton", [(1, 1024), (2, 784)], 1024, 80, False, False),  # several runs: one Triton launch
-        ("fa3", [(4, 784)], 784, 72, False, False),  # FlashAttention-3: one varlen launch, always
-        ("fa3", [(1, 5000)], 5000, 80, True, False),
+        ("fa3", [(1, 5000)], 5000, 80, False, False),  # long: one FlashAttention-3 launch, always
+        ("fa3", [(1, 2048), (2, 784)], 2048, 72, True, False),
+        ("fa3", [(4, 784)], 784, 72, False, True),  # short: as under "triton"
+        ("fa3", [(4, 784)], 784, 72, True, False),
     ],
 )
 def test_exact_layouts_pick_dense_batches_or_one_varlen_launch(
