@@ -565,7 +565,8 @@ def format_table(record: dict) -> str:
         f"Device {record['device']}, torch {record['torch']}, vLLM {record['vllm']}, transformers "
         f"{record['transformers']}, {record['dtype']}, peak {record['peak_bf16_tflops']:.0f} TFLOP/s, {record['date']}",
         f"Command: {record['command']}",
-        f"Stream: {stream['items']} items, {stream['tokens']} tokens ({stream['requests']} requests of e2e_bench); "
+        f"Stream: {stream['items']} items, {stream['tokens']} tokens ({stream['requests']} requests of e2e_bench), "
+        f"rounds: {len(next(iter(record['systems'].values()))['stream_seconds'])} (medians); "
         f"single: one 448x448 photo ({single['tokens']} tokens). MFU: {record['flop_formula']}.",
         "",
         "| system | stream tokens/s | stream MFU | calls | tokens/call | call p50 / p90 ms | 448x448 ms "

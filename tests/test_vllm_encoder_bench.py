@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.vllm_encoder_bench import latency_summary, modality_runs, scheduler_steps
+from benchmarks.vllm_encoder_bench import format_table, latency_summary, modality_runs, scheduler_steps
 
 
 def test_a_step_encodes_the_items_that_begin_in_its_tokens():
@@ -47,3 +47,31 @@ def test_latency_summary_quantiles(count):
     assert summary["calls"] == count and summary["max_ms"] == count and summary["tokens_per_call"] == 100
     assert summary["p50_ms"] <= summary["p90_ms"] <= summary["max_ms"]
     assert summary["p50_ms"] == sorted(ms for ms, _ in samples)[count // 2]
+
+
+def test_the_table_leaves_unmeasured_cells_empty_and_says_how_many_rounds():
+    """`ours-vllm-calls` has no single-image time (it runs the stream only); the md says the rounds."""
+
+    def system(tokens_per_s, single_ms=None):
+        entry = {
+            "stream_seconds": [2.0, 2.1],
+            "stream_tokens_per_s": tokens_per_s,
+            "stream_mfu": 0.5,
+            "calls_per_stream": 20,
+            "latency": latency_summary([(100.0, 8000)]),
+        }
+        if single_ms is not None:
+            entry.update(single_448_ms=single_ms, single_448_mfu=0.25, agreement_with_ours=None)
+        return entry
+
+    record = {
+        "device": "GPU", "torch": "2.11", "vllm": "0.26.0", "transformers": "5.17.0", "dtype": "bfloat16",
+        "peak_bf16_tflops": 800.0, "date": "2026-11-29", "command": "bench", "flop_formula": "f",
+        "stream": {"items": 3, "tokens": 100, "requests": 2}, "single": {"tokens": 196},
+        "systems": {"ours": system(75000.0, 3.5), "ours-vllm-calls": system(70000.0)},
+    }  # fmt: skip
+    table = format_table(record).splitlines()
+    assert "rounds: 2 (medians)" in table[2]
+    rows = {line.split(" | ")[0].removeprefix("| "): line.split(" | ") for line in table if line.startswith("| ")}
+    assert rows["ours-vllm-calls"][6:8] == ["", ""]  # 448x448 ms and MFU: not measured
+    assert rows["ours"][6:8] == ["3.50", "25.0%"] and rows["ours"][1] == "75,000"
