@@ -142,9 +142,12 @@ def fa3_varlen_function():
         from vllm.vllm_flash_attn import flash_attn_varlen_func, is_fa_version_supported
     except Exception:  # noqa: BLE001 - vLLM not installed, or a build without the extension
         return None
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    finally:  # only what changed: other threads may read the environment meanwhile
+        for key in set(os.environ) - set(saved):
+            del os.environ[key]
+        for key, value in saved.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
     return flash_attn_varlen_func if is_fa_version_supported(3) else None
 
 
