@@ -414,12 +414,17 @@ def main() -> None:
     )
     tokens = [s.output_tokens for s in specs]
     print(f"stream: {len(specs)} items, {sum(tokens)} tokens; our warm-up {warm_s:.1f} s", flush=True)
-    others = {}  # the same config on other attention kernels: (runner, warm-up s)
+    others, left_out = {}, {}  # the same config on other attention kernels: (runner, warm-up s)
     for kernel in args.also_attention:
         print(f"ours-{kernel}: loading and warming up", flush=True)
-        _, other, _, other_s = our_runner(
-            args.config, str(checkpoint), device, args.compile, args.compile_cache, attention=kernel
-        )
+        try:
+            _, other, _, other_s = our_runner(
+                args.config, str(checkpoint), device, args.compile, args.compile_cache, attention=kernel
+            )
+        except ValueError as error:  # a kernel this GPU or install cannot serve: the rest still run
+            left_out[f"ours-{kernel}"] = str(error)
+            print(f"ours-{kernel} left out: {error}", flush=True)
+            continue
         others[f"ours-{kernel}"] = (other, other_s)
 
     options = {"max_model_len": args.max_model_len, "max_num_batched_tokens": args.max_num_batched_tokens}
@@ -530,6 +535,7 @@ def main() -> None:
                 }
                 for name, (other, s) in others.items()
             },
+            "left_out": left_out,
         },
         vllm_engine={
             "start_s": engine_s,
