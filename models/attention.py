@@ -10,13 +10,15 @@ process may run different kernels.
   int32 buffer, with no host sync, so it captures in a CUDA graph. Kernels: FlashAttention-2,
   cuDNN's through `nvidia-cudnn-frontend` (from `CUDNN_MIN_SEQLEN` up; it caches its built graph,
   which torch's own cuDNN varlen path rebuilds per call), ours in Triton
-  (`models/triton_attention.py`: a tile as wide as the head), or FlashAttention-3 on Hopper
-  (the build vLLM ships, `vllm.vllm_flash_attn`: faster than ours on long segments). Every segment, padding included,
-  must be <= `max_seqlen` or the result is silently wrong; `models/layout.py` guarantees it.
+  (`models/triton_attention.py`: a tile as wide as the head), or FlashAttention-3 on Hopper for
+  layouts past small images (the build vLLM ships, `vllm.vllm_flash_attn`: faster than ours on long
+  segments), ours below. Every segment, padding included, must be <= `max_seqlen` or the result is
+  silently wrong; `models/layout.py` guarantees it.
 - Exact layouts (unpadded; the caller names the segment lengths with `exact_segments`): each run
   of equal segments is one dense `[count, heads, length, dim]` batch through SDPA (cuDNN first),
   unless one varlen launch serves better (several runs under cuDNN or Triton, long segments at a
-  head dim that is not a multiple of 16 under Triton, or any launch-bound call under Triton). The
+  head dim that is not a multiple of 16 under Triton, any launch-bound call under Triton, any
+  layout FlashAttention-3 takes). The
   lengths are read inside an opaque custom op at run time, so torch.compile never specialises on
   them.
 - CPU: SDPA per segment (exact in float32); exact layouts take the same grouped op as on CUDA.
@@ -53,15 +55,18 @@ ones FlashAttention-2's (faster on many short segments such as Qwen2.5-VL's wind
 TRITON_OVER_DENSE_SEQLEN = 4096
 """Under "triton", exact segments longer than this at a head dim that is not a multiple of 16 take
 the Triton kernel (which loads keys and values by TMA there) instead of dense cuDNN."""
-FA3_MIN_SEQLEN = 1025
-"""Under "fa3", layouts whose `max_seqlen` is at least this take FlashAttention-3, shorter ones (small
-images) the Triton kernel: there FA3's launch (a scheduling kernel before its own) costs more than
-its kernel saves (one 448x448 image in a graph, FA3 throughout: 4.22 against 3.91 ms)."""
 TRITON_GRAPH_BUCKETS = (1024, 4096)
-"""`max_seqlen` buckets of padded graphs under "triton", below each budget's own rows. The Triton
-kernel's programs past a segment's end return at once, so a bucket is kept only where it changes
-what runs: 4096 is where TMA loads start, 1024 keeps small images' graphs timed on segments like
-theirs. Few buckets per budget are what allow a fine budget ladder."""
+"""`max_seqlen` buckets of padded graphs under "triton" and "fa3", below each budget's own rows. Both
+kernels read each segment's length on the device (programs past its end return at once), so a bucket
+is kept only where it changes what runs: 4096 is where TMA loads start, 1024 keeps small images'
+graphs timed on segments like theirs (and on the Triton kernel under "fa3"). Few buckets per budget
+are what allow a fine budget ladder."""
+FA3_MIN_SEQLEN = TRITON_GRAPH_BUCKETS[0] + 1
+"""Under "fa3", layouts past the small images' bucket take FlashAttention-3, those in it the Triton
+kernel: one small image ran slower on FA3 in a graph, whose launch adds a scheduling kernel. The
+boundary follows the bucket; it is not tuned between the layouts measured."""
+FA3_MAX_HEAD_DIM = 256
+"""The widest head FlashAttention-3 is built for; wider ones take the other kernels."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -288,8 +293,8 @@ class AttentionBackend:
         if name == "fa3":  # FA3 for long layouts, ours for short ones: both must serve
             if not (fa3_available(device) and triton_available(device)):
                 raise ValueError(
-                    "attention backend 'fa3' needs a Hopper GPU and vLLM's FlashAttention-3 build "
-                    "(README: E/PD with vLLM); use 'auto' for ours in Triton"
+                    "attention backend 'fa3' needs a Hopper GPU, vLLM's FlashAttention-3 build "
+                    "(README: E/PD with vLLM) and triton; use 'auto' for ours in Triton"
                 )
             return cls("fa3")
         if name == "triton":
@@ -335,7 +340,8 @@ class AttentionBackend:
 
     def varlen_kernel(self, max_seqlen: int, head_dim: int) -> str:
         """The CUDA varlen kernel for a layout: "triton", "fa3", "cudnn" or "flash"."""
-        if self.kernel == "fa3" and head_dim % 8 == 0 and max_seqlen >= FA3_MIN_SEQLEN:
+        fa3_head = head_dim % 8 == 0 and head_dim <= FA3_MAX_HEAD_DIM
+        if self.kernel == "fa3" and fa3_head and max_seqlen >= FA3_MIN_SEQLEN:
             return "fa3"
         if self.kernel in ("triton", "fa3") and head_dim % 8 == 0:  # 16-byte rows
             return "triton"
@@ -347,8 +353,8 @@ class AttentionBackend:
         self, groups: Sequence[tuple[int, int]], max_seqlen: int, head_dim: int, launch_bound: bool
     ) -> bool:
         """Whether an exact CUDA layout of these runs attends as dense batches (else one varlen
-        launch). Under "fa3", long layouts always take one FA3 launch, short ones go as under "triton"."""
-        if self.kernel == "fa3" and max_seqlen >= FA3_MIN_SEQLEN:
+        launch). Layouts FlashAttention-3 takes are one launch; the others go as under "triton"."""
+        if self.varlen_kernel(max_seqlen, head_dim) == "fa3":
             return False
         triton = self.kernel in ("triton", "fa3")
         several = len(groups) > 1 and (triton or self.varlen_kernel(max_seqlen, head_dim) == "cudnn")

@@ -95,8 +95,10 @@ def test_cudnn_attention_without_its_frontend_or_gpu_is_refused_and_auto_falls_b
     assert AttentionBackend.resolve("auto", cuda).kernel in ("flash", "triton")
     assert AttentionBackend.resolve("flash", cuda).kernel == "flash"
     if not attention.fa3_available():  # no Hopper GPU, or no vLLM build: FlashAttention-3 is refused by name
-        with pytest.raises(ValueError, match="'fa3' needs a Hopper GPU and vLLM"):
+        with pytest.raises(ValueError, match="'fa3' needs a Hopper GPU, vLLM's FlashAttention-3 build"):
             AttentionBackend.resolve("fa3", cuda)
+    else:
+        assert AttentionBackend.resolve("fa3", cuda).kernel == "fa3"
     if not attention.triton_available():  # CPU, or no triton: our kernel is refused as cuDNN's is
         with pytest.raises(ValueError, match="'triton' needs a CUDA GPU"):
             AttentionBackend.resolve("triton", cuda)

@@ -292,6 +292,8 @@ def test_varlen_kernel_is_chosen_by_backend_and_max_seqlen():
     assert fa3.varlen_kernel(long, 72) == fa3.varlen_kernel(8192, 80) == "fa3"
     assert fa3.varlen_kernel(long - 1, 72) == fa3.varlen_kernel(784, 80) == "triton"  # small images: ours
     assert fa3.varlen_kernel(8192, 36) == "flash"  # rows neither can load: FlashAttention-2
+    assert fa3.varlen_kernel(attention.TRITON_GRAPH_BUCKETS[0], 72) == "triton"  # small images' graphs: ours
+    assert fa3.varlen_kernel(8192, 264) == "triton"  # wider than FlashAttention-3 is built for
 
 
 @pytest.mark.parametrize(
@@ -310,6 +312,7 @@ def test_varlen_kernel_is_chosen_by_backend_and_max_seqlen():
         ("fa3", [(1, 2048), (2, 784)], 2048, 72, True, False),
         ("fa3", [(4, 784)], 784, 72, False, True),  # short: as under "triton"
         ("fa3", [(4, 784)], 784, 72, True, False),
+        ("fa3", [(1, 2048)], 2048, 264, False, True),  # a head wider than FlashAttention-3 takes: as "triton"
     ],
 )
 def test_exact_layouts_pick_dense_batches_or_one_varlen_launch(
