@@ -32,7 +32,8 @@ the same model with our runner's budgets, our items per pack, and frames per bat
 stream's longest video) and `vllm-eager`. Ours is `EncoderRunner` as `--config` (default
 `configs/gpu.yaml`) sets it up, on our router's packs of the whole stream queued; stream packs run
 as first sightings (`recurring=False`: random mixes rarely recur), the 448x448 image also as it
-recurs; `--also-attention fa3` adds `ours-fa3`, the same on another attention kernel.
+recurs; `--also-attention fa3` adds `ours-fa3`, the same on another attention kernel (vLLM is then first
+imported by that kernel's lookup, which puts back the environment variables vLLM's import sets).
 `ours-vllm-calls` is our runner on vLLM's batches, one call each (its steps' modality
 runs): against `ours` it measures our packing, against vLLM our forward. Throughput: one pass
 over the stream with one synchronization at its end; latency: another pass synchronized around
