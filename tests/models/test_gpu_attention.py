@@ -86,30 +86,29 @@ def test_varlen_in_a_graph_matches_per_segment_attention_on_a_padded_layout(kern
         assert relative_error(out, per_segment(q, k, v, bounds, scale)) < 2e-2
 
 
+@pytest.mark.parametrize("kernel", ["triton", "fa3"])
 @pytest.mark.parametrize("head_dim", [72, 80])
-def test_triton_kernel_in_a_graph_on_a_layout_of_many_mostly_empty_slots(head_dim):
-    """The runner's graphs under backend triton have few max_seqlen buckets (1024, 4096, the
+def test_kernel_in_a_graph_on_a_layout_of_many_mostly_empty_slots(kernel, head_dim):
+    """The runner's graphs under backends triton and fa3 have few max_seqlen buckets (1024, 4096, the
     budget's rows; `AttentionBackend.graph_seqlen_buckets`), so a graph may hold many more segment slots
     than a pack fills. Captured on one pack of 200 slots, replayed on new segment lengths (the
     next pack in the same graph): right on every row, finite."""
-    if not attention.triton_available():
-        pytest.skip("needs triton on an Ampere or newer GPU")
-    from models.triton_attention import varlen_attention
-
+    chosen = backend(kernel)
     rows, slots, max_seqlen = 9216, 200, 4096
+    scale = head_dim**-0.5
     q, k, v = torch.randn(rows, 3, 16, head_dim, device="cuda", dtype=torch.bfloat16).unbind(1)
     cu = padded_cu_seqlens([784] * 8, rows, max_seqlen, slots).cuda()
-    out = torch.empty_like(q)
-    varlen_attention(q, k, v, cu, max_seqlen, head_dim**-0.5, out)
+    chosen.varlen(q, k, v, cu, max_seqlen, scale)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        varlen_attention(q, k, v, cu, max_seqlen, head_dim**-0.5, out)
+        out = chosen.varlen(q, k, v, cu, max_seqlen, scale)
+    assert {name for name, _ in chosen.calls} == {kernel}
     for lengths in ([3136, 784, 784, 256, 256, 256], [4000, 1] + [64] * 60):
         cu.copy_(padded_cu_seqlens(lengths, rows, max_seqlen, slots))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.isfinite(out).all()
-        assert relative_error(out, per_segment(q, k, v, cu.tolist(), head_dim**-0.5)) < 2e-2
+        assert relative_error(out, per_segment(q, k, v, cu.tolist(), scale)) < 2e-2
 
 
 @needs_cudnn
