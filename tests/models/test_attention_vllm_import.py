@@ -33,8 +33,10 @@ def changed_environment(code: str) -> dict:
         "print(json.dumps({k: [before.get(k), after.get(k)] for k in set(before) | set(after)"
         " if before.get(k) != after.get(k)}))\n"
     )
+    # A bare environment: this session may have imported vLLM already, whose variables a child would inherit.
+    env = {key: os.environ[key] for key in ("PATH", "HOME", "LANG", "TMPDIR") if key in os.environ}
     out = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
