@@ -18,9 +18,8 @@ process may run different kernels.
   of equal segments is one dense `[count, heads, length, dim]` batch through SDPA (cuDNN first),
   unless one varlen launch serves better (several runs under cuDNN or Triton, long segments at a
   head dim that is not a multiple of 16 under Triton, any launch-bound call under Triton, any
-  layout FlashAttention-3 takes). The
-  lengths are read inside an opaque custom op at run time, so torch.compile never specialises on
-  them.
+  layout FlashAttention-3 takes). The lengths are read inside an opaque custom op at run time, so
+  torch.compile never specialises on them.
 - CPU: SDPA per segment (exact in float32); exact layouts take the same grouped op as on CUDA.
 """
 
