@@ -35,10 +35,12 @@ as first sightings (`recurring=False`: random mixes rarely recur), the 448x448 i
 recurs; `--also-attention fa3` adds `ours-fa3`, the same on another attention kernel (vLLM is then first
 imported by that kernel's lookup, which puts back the environment variables vLLM's import sets).
 `ours-vllm-calls` is our runner on vLLM's batches, one call each (its steps' modality
-runs): against `ours` it measures our packing, against vLLM our forward. Throughput: one pass
-over the stream with one synchronization at its end; latency: another pass synchronized around
-each call (ours: a pack; vLLM: one `execute` call). Passes rotate between systems, `--rounds`
-times; medians are reported.
+runs; `ours-<kernel>-vllm-calls` the same on each `--also-attention` kernel): against `ours` it
+measures our packing, against vLLM our forward. `--kernel-time` adds one profiled stream pass per
+system: its GPU kernel time by kind (matmul, attention, norm, ...), which says where a gap comes
+from. Throughput: one pass over the stream with one synchronization at its end; latency: another
+pass synchronized around each call (ours: a pack; vLLM: one `execute` call). Passes rotate between
+systems, `--rounds` times; medians are reported.
 
 MFU, one formula for every system: `encoder_bench.useful_flops` of the items (2 x rows x in x out
 for every linear layer over the real rows, the patch embedding as a linear over the patch rows,
@@ -67,6 +69,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common.environment import environment  # noqa: E402
 from benchmarks.common.flops import measure_peak_tflops, useful_flops  # noqa: E402
+from benchmarks.common.kernel_time import kernel_time  # noqa: E402
+from benchmarks.common.vllm_encoder_table import format_table  # noqa: E402
 from benchmarks.common.workload import decoded_items, photo, workload  # noqa: E402
 from models.tiny_checkpoint import RECORD_FILE  # noqa: E402
 
@@ -388,6 +392,9 @@ def main() -> None:
     )
     parser.add_argument("--tuned", action=argparse.BooleanOptionalAction, default=True, help="also vllm-tuned")
     parser.add_argument(
+        "--kernel-time", action="store_true", help="also one profiled stream pass per system: kernel time by kind"
+    )
+    parser.add_argument(
         "--time-limit", type=float, default=float("inf"), help="seconds: fewer rounds rather than no results"
     )
     parser.add_argument("--out", default="benchmarks/results")
@@ -400,6 +407,8 @@ def main() -> None:
         raise SystemExit(f"{checkpoint} holds no config.json: write one with python -m models.tiny_checkpoint")
     extra = json.loads(args.vllm_kwargs)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.kernel_time and device.type != "cuda":
+        parser.error("--kernel-time profiles CUDA kernels: it needs a GPU")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     record = {**environment(), "checkpoint": str(checkpoint), "dtype": str(dtype).removeprefix("torch.")}
     record_file = checkpoint / RECORD_FILE
@@ -472,10 +481,11 @@ def main() -> None:
         calls[name] = [(our_call(other, r, s), t) for r, s, t in pack_rows]
     # ours on vLLM's calls: what our runner makes of the very batches vLLM's scheduler hands its
     # encoder, which separates the packing (ours against this) from the forward (this against vLLM)
-    calls["ours-vllm-calls"] = [
-        (our_call(runner, batch_rows(m, b), [specs[i] for i in run]), sum(tokens[i] for i in run))
-        for m, b, run in batches
-    ]
+    for name, ours in {"ours": runner, **{name: other for name, (other, _) in others.items()}}.items():
+        calls[f"{name}-vllm-calls"] = [
+            (our_call(ours, batch_rows(m, b), [specs[i] for i in run]), sum(tokens[i] for i in run))
+            for m, b, run in batches
+        ]
     del rows  # each pack and batch holds its own rows now
     for name, manager in managers.items():
         calls[name] = [
@@ -483,6 +493,11 @@ def main() -> None:
             for m, b, run in batches
         ]
     results = timed_rounds(calls, device, args.rounds, started + args.time_limit - 60)
+    kernels = {}
+    if args.kernel_time:
+        for name, fns in calls.items():
+            kernels[name] = kernel_time(lambda fns=fns: stream_pass(fns, device, each=False), device)
+            print(f"{name}: kernel ms by kind {kernels[name]['by_kind_ms']}", flush=True)
 
     paths = {
         "ours": our_call(runner, single_rows, [single_spec]),
@@ -508,6 +523,7 @@ def main() -> None:
             "stream_mfu": stream_flops / seconds / (peak * 1e12),
             "calls_per_stream": len(calls[name]),
             "latency": latency_summary(results[name]["latency"]),
+            "kernel_time": kernels.get(name),
         }
     for name, ms in single.items():
         systems.setdefault(name, {}).update(
@@ -559,40 +575,6 @@ def main() -> None:
     table = format_table(record)
     (out / f"{args.tag}.md").write_text(table + "\n")
     print(table)
-
-
-def cell(system: dict, key: str, spec: str) -> str:
-    """A table cell: the system's value formatted, or empty where it was not measured."""
-    return "" if system.get(key) is None else format(system[key], spec)
-
-
-def format_table(record: dict) -> str:
-    stream, single = record["stream"], record["single"]
-    lines = [
-        f"Device {record['device']}, torch {record['torch']}, vLLM {record['vllm']}, transformers "
-        f"{record['transformers']}, {record['dtype']}, peak {record['peak_bf16_tflops']:.0f} TFLOP/s, {record['date']}",
-        f"Command: {record['command']}",
-        f"Stream: {stream['items']} items, {stream['tokens']} tokens ({stream['requests']} requests of e2e_bench), "
-        f"rounds: {len(next(iter(record['systems'].values()))['stream_seconds'])} (medians); "
-        f"single: one 448x448 photo ({single['tokens']} tokens). MFU: {record['flop_formula']}.",
-        "",
-        "| system | stream tokens/s | stream MFU | calls | tokens/call | call p50 / p90 ms | 448x448 ms "
-        "| 448x448 MFU | max rel. err vs ours |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, s in record["systems"].items():
-        if "stream_tokens_per_s" not in s:
-            lines.append(f"| {name} | | | | | | {s['single_448_ms']:.2f} | {s['single_448_mfu']:.1%} | |")
-            continue
-        lat = s["latency"]
-        err = s.get("agreement_with_ours")
-        lines.append(
-            f"| {name} | {s['stream_tokens_per_s']:,.0f} | {s['stream_mfu']:.1%} | {s['calls_per_stream']} "
-            f"| {lat['tokens_per_call']:.0f} | {lat['p50_ms']:.2f} / {lat['p90_ms']:.2f} "
-            f"| {cell(s, 'single_448_ms', '.2f')} | {cell(s, 'single_448_mfu', '.1%')} "
-            f"| {'' if err is None else f'{err:.3g}'} |"
-        )
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.vllm_encoder_bench import format_table, latency_summary, modality_runs, scheduler_steps
+from benchmarks.common.vllm_encoder_table import format_table
+from benchmarks.vllm_encoder_bench import latency_summary, modality_runs, scheduler_steps
 
 
 def test_a_step_encodes_the_items_that_begin_in_its_tokens():
@@ -75,3 +76,25 @@ def test_the_table_leaves_unmeasured_cells_empty_and_says_how_many_rounds():
     rows = {line.split(" | ")[0].removeprefix("| "): line.split(" | ") for line in table if line.startswith("| ")}
     assert rows["ours-vllm-calls"][6:8] == ["", ""]  # 448x448 ms and MFU: not measured
     assert rows["ours"][6:8] == ["3.50", "25.0%"] and rows["ours"][1] == "75,000"
+
+
+def test_the_table_adds_kernel_time_by_kind_where_it_was_measured():
+    entry = {
+        "stream_seconds": [2.0],
+        "stream_tokens_per_s": 80000.0,
+        "stream_mfu": 0.6,
+        "calls_per_stream": 20,
+        "latency": latency_summary([(100.0, 8000)]),
+    }
+    record = {
+        "device": "GPU", "torch": "2.11", "vllm": "0.26.0", "transformers": "5.17.0", "dtype": "bfloat16",
+        "peak_bf16_tflops": 800.0, "date": "2026-11-29", "command": "bench", "flop_formula": "f",
+        "stream": {"items": 3, "tokens": 100, "requests": 2}, "single": {"tokens": 196},
+        "systems": {"ours": entry},
+    }  # fmt: skip
+    assert "kernel time" not in format_table(record)
+    by_kind = {"matmul": 876.0, "attention": 862.0, "norm": 113.0, "elementwise": 50.0, "copy": 19.0, "other": 0.0}
+    entry["kernel_time"] = {"wall_ms": 1948.0, "kernel_ms": 1920.0, "kernels": 7656, "by_kind_ms": by_kind}
+    table = format_table(record)
+    assert "GPU kernel time over one stream pass" in table
+    assert "| ours | 1948.0 | 1920.0 | 876.0 | 862.0 | 113.0 | 50.0 | 19.0 | 0.0 | 7656 |" in table

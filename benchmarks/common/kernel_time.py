@@ -1,0 +1,85 @@
+"""GPU kernel time by kind (matmul, attention, norm, elementwise, copy) over one call, from torch's
+profiler: where each system's time goes, so a throughput gap between systems names the kernels behind it."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+KINDS = ("matmul", "attention", "norm", "elementwise", "copy", "other")
+"""Kinds in the order tables show them."""
+
+_RULES = (
+    # FlashAttention-3 is a CUTLASS kernel: attention is matched before matmul's "cutlass"
+    ("attention", ("flash", "fmha", "_varlen_forward", "sdpa")),
+    ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "splitk")),
+    ("norm", ("norm",)),
+    ("copy", ("memcpy", "memset", "copy", "catarray", "fill")),
+    # inductor's fused kernels (triton_poi_*, triton_red_*) and aten's pointwise ones (GELU, add, rotary)
+    ("elementwise", ("triton_", "elementwise", "rotary", "gelu", "reduce")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a CUDA kernel, from its name. Inductor names a fused kernel after the ops it fuses
+    (`triton_poi_fused_..._exact_attention_...` is a rotary embedding beside our attention op), so
+    its fused kernels count as elementwise, not as the ops in their names."""
+    lower = name.lower()
+    if lower.startswith("triton_"):
+        return "norm" if "layer_norm" in lower else "elementwise"
+    for kind, keys in _RULES:
+        if any(key in lower for key in keys):
+            return kind
+    return "other"
+
+
+def kernel_time(fn: Callable[[], object], device: torch.device, top: int = 12) -> dict:
+    """Profile one call of `fn` (CUDA kernels, CUDA graph replays' included): its wall ms, the
+    kernels' summed ms (busy, where kernels do not overlap), ms per kind and the `top` kernels."""
+    if device.type != "cuda":
+        raise ValueError("kernel time needs a CUDA device")
+    from torch.profiler import ProfilerActivity, profile
+
+    by_kind: dict[str, float] = defaultdict(float)
+    by_name: dict[str, float] = defaultdict(float)
+    count = 0
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        wall_ms = (time.perf_counter() - start) * 1e3
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = event.device_time_total / 1e3
+        by_kind[kernel_kind(event.name)] += ms
+        by_name[event.name[:100]] += ms
+        count += 1
+    return {
+        "wall_ms": wall_ms,
+        "kernel_ms": sum(by_kind.values()),
+        "kernels": count,
+        "by_kind_ms": {kind: by_kind.get(kind, 0.0) for kind in KINDS},
+        "top": sorted(by_name.items(), key=lambda item: -item[1])[:top],
+    }
+
+
+def kernel_table(systems: dict[str, dict]) -> str:
+    """Markdown: ms per kind for each system that has a `kernel_time` record."""
+    lines = [
+        "| system | wall ms | kernel ms | " + " | ".join(KINDS) + " | kernels |",
+        "|---|" + "---|" * (len(KINDS) + 3),
+    ]
+    for name, system in systems.items():
+        record = system.get("kernel_time")
+        if not record:
+            continue
+        kinds = " | ".join(f"{record['by_kind_ms'][kind]:.1f}" for kind in KINDS)
+        lines.append(
+            f"| {name} | {record['wall_ms']:.1f} | {record['kernel_ms']:.1f} | {kinds} | {record['kernels']} |"
+        )
+    return "\n".join(lines) if len(lines) > 2 else ""
