@@ -6,8 +6,9 @@ Systems (`--systems`; each saved as `<out>/e2e_<system>.json`, the report built 
 - `ours`: `serve run <config>` in a separate process, as a user starts it. Records the seconds to
   the first correct answer and to full speed (every graph live), then loads it closed-loop through
   the handle (from this separate driver process, or `--handle-processes` of them), HTTP
-  safetensors and HTTP JSON at each
-  concurrency, one 448x448 image at concurrency 1, and checks that handle and HTTP results agree.
+  safetensors and HTTP JSON at each concurrency (a point also records the host's busy cores and
+  each GPU's utilisation, from nvidia-smi), one 448x448 image at concurrency 1, and checks that
+  handle and HTTP results agree.
   `--restart` starts it once more (the compile cache now filled) and records the same times.
   `--replicas 4 2 1`: one service measured at each count in turn, scaled down while warm.
   `--settle S`: S seconds of unrecorded load first (each graph's first pack is checked against eager).
@@ -72,6 +73,7 @@ from benchmarks.common.service import (  # noqa: E402
 )
 from benchmarks.common.service_counters import counted_between  # noqa: E402
 from benchmarks.common.stats import summarize  # noqa: E402
+from benchmarks.common.utilisation import GpuSampler  # noqa: E402
 from benchmarks.common.workload import decoded_items, http_body, single_images, workload  # noqa: E402
 
 
@@ -115,6 +117,7 @@ def _measure_interface(args, name, interface, how, requests, concurrencies, rows
         seconds = args.seconds + args.warmup
         window, clients_cpu = Window(), 0.0  # callers in other processes report their own CPU
         before = snapshot() if snapshot is not None else None
+        gpus = GpuSampler()  # over the point's warm-up and window
         if how[0] in ("handles", "http"):
             samples, clients_cpu = pools[key].load(concurrency, seconds, window)
         else:
@@ -122,6 +125,7 @@ def _measure_interface(args, name, interface, how, requests, concurrencies, rows
             samples = asyncio.run(handle_load(how[1], requests, concurrency, seconds))
             window.close()
         row = rows.setdefault(interface, {})[str(concurrency)] = summarize(samples, args.warmup, args.seconds)
+        row["gpus"] = gpus.stop()  # each GPU's mean utilisation: how much of the time its kernels ran
         row["cores_used"] = {k: round(v / window.elapsed, 2) for k, v in window.serve_used.items()}
         row["host_busy_cores"] = round(window.host_used / window.elapsed, 2)  # every process, of `cpus`
         callers = window.own_used + clients_cpu
@@ -138,7 +142,7 @@ def _measure_interface(args, name, interface, how, requests, concurrencies, rows
         print(
             f"{name:8s} {interface:12s} c={concurrency:3d} {row['tokens_per_s']:10.0f} tok/s  "
             f"p50 {row['p50_ms']:8.1f} ms  p99 {row['p99_ms']:8.1f} ms  errors {row['errors']}  "
-            f"cores {row['cores_used']} host {row['host_busy_cores']}  "
+            f"cores {row['cores_used']} host {row['host_busy_cores']} gpus {row['gpus'] or '-'}  "
             f"stages {row['server_timing_p50_ms'] or '-'}{packing}",
             flush=True,
         )
