@@ -14,12 +14,12 @@ KINDS = ("matmul", "attention", "norm", "elementwise", "copy", "other")
 
 _RULES = (
     # FlashAttention-3 is a CUTLASS kernel: attention is matched before matmul's "cutlass"
-    ("attention", ("flash", "fmha", "_varlen_forward", "sdpa")),
-    ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "splitk")),
+    ("attention", ("flash", "fmha", "_varlen_forward", "sdpa", "softmax")),
+    ("matmul", ("nvjet", "gemm", "gemv", "cutlass", "xmma", "cublas", "splitk")),
     ("norm", ("norm",)),
     ("copy", ("memcpy", "memset", "copy", "catarray", "fill")),
     # inductor's fused kernels (triton_poi_*, triton_red_*) and aten's pointwise ones (GELU, add, rotary)
-    ("elementwise", ("triton_", "elementwise", "rotary", "gelu", "reduce")),
+    ("elementwise", ("triton_", "elementwise", "rotary", "gelu", "act_and_mul", "reduce")),
 )
 
 
@@ -28,8 +28,11 @@ def kernel_kind(name: str) -> str:
     (`triton_poi_fused_..._exact_attention_...` is a rotary embedding beside our attention op), so
     its fused kernels count as elementwise, not as the ops in their names."""
     lower = name.lower()
+    if lower.startswith("triton_tem_"):  # inductor's templates: matmuls, or flex attention
+        return "attention" if "attention" in lower else "matmul"
     if lower.startswith("triton_"):
-        return "norm" if "layer_norm" in lower else "elementwise"
+        # a norm inductor decomposed (RMSNorm: mean of squares, rsqrt) fuses under its parts' names
+        return "norm" if "norm" in lower or ("rsqrt" in lower and "mean" in lower) else "elementwise"
     for kind, keys in _RULES:
         if any(key in lower for key in keys):
             return kind
@@ -57,8 +60,10 @@ def kernel_time(fn: Callable[[], object], device: torch.device, top: int = 12) -
             continue
         ms = event.device_time_total / 1e3
         by_kind[kernel_kind(event.name)] += ms
-        by_name[event.name[:100]] += ms
+        by_name[event.name[:160]] += ms
         count += 1
+    if not count:  # CUPTI gave no kernel records: zeros would read as a measurement
+        raise RuntimeError("the profiler recorded no CUDA kernels (is CUPTI available?)")
     return {
         "wall_ms": wall_ms,
         "kernel_ms": sum(by_kind.values()),

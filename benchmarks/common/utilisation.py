@@ -34,6 +34,8 @@ class GpuSampler:
 
     def _read(self) -> None:
         for line in self.process.stdout:
+            if self.process.returncode is not None:  # stopped: what is left is after the point
+                break
             try:
                 self.samples.append([float(v) for v in line.split(",")])
             except ValueError:
@@ -41,11 +43,13 @@ class GpuSampler:
 
     def stop(self) -> dict:
         self.process.terminate()
-        gpus = sorted({int(s[0]) for s in self.samples})
+        self.process.wait(timeout=10)
+        samples = list(self.samples)
+        gpus = sorted({int(s[0]) for s in samples})
         return {
             f"gpu{g}": {
-                "util_pct": round(float(np.mean([s[1] for s in self.samples if s[0] == g])), 1),
-                "mem_gib": round(max(s[2] for s in self.samples if s[0] == g) / 1024, 1),
+                "util_pct": round(float(np.mean([s[1] for s in samples if s[0] == g])), 1),
+                "mem_gib": round(max(s[2] for s in samples if s[0] == g) / 1024, 1),
             }
             for g in gpus
         }
