@@ -400,6 +400,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="vllm_encoder_bench")
     args = parser.parse_args()
+    if args.kernel_time and not torch.cuda.is_available():
+        parser.error("--kernel-time profiles CUDA kernels: it needs a GPU")
 
     started = time.monotonic()
     checkpoint = Path(args.checkpoint)
@@ -407,8 +409,6 @@ def main() -> None:
         raise SystemExit(f"{checkpoint} holds no config.json: write one with python -m models.tiny_checkpoint")
     extra = json.loads(args.vllm_kwargs)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.kernel_time and device.type != "cuda":
-        parser.error("--kernel-time profiles CUDA kernels: it needs a GPU")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     record = {**environment(), "checkpoint": str(checkpoint), "dtype": str(dtype).removeprefix("torch.")}
     record_file = checkpoint / RECORD_FILE

@@ -18,8 +18,8 @@ _RULES = (
     ("matmul", ("nvjet", "gemm", "gemv", "cutlass", "xmma", "cublas", "splitk")),
     ("norm", ("norm",)),
     ("copy", ("memcpy", "memset", "copy", "catarray", "fill")),
-    # inductor's fused kernels (triton_poi_*, triton_red_*) and aten's pointwise ones (GELU, add, rotary)
-    ("elementwise", ("triton_", "elementwise", "rotary", "gelu", "act_and_mul", "reduce")),
+    # aten's and vLLM's pointwise kernels (GELU, adds, rotary); inductor's fused ones are named above
+    ("elementwise", ("elementwise", "rotary", "gelu", "act_and_mul", "reduce")),
 )
 
 
