@@ -32,7 +32,7 @@ the same model with our runner's budgets, our items per pack, and frames per bat
 stream's longest video) and `vllm-eager`. Ours is `EncoderRunner` as `--config` (default
 `configs/gpu.yaml`) sets it up, on our router's packs of the whole stream queued; stream packs run
 as first sightings (`recurring=False`: random mixes rarely recur), the 448x448 image also as it
-recurs; `--also-attention fa3` adds `ours-fa3`, the same on another attention kernel (vLLM is then first
+recurs; `--also-attention fa3` (GPU only) adds `ours-fa3`, the same on another kernel (vLLM is then first
 imported by that kernel's lookup, which puts back the environment variables vLLM's import sets).
 `ours-vllm-calls` is our runner on vLLM's batches, one call each (its steps' modality
 runs; `ours-<kernel>-vllm-calls` the same on each `--also-attention` kernel): against `ours` it
@@ -402,6 +402,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.kernel_time and not torch.cuda.is_available():
         parser.error("--kernel-time profiles CUDA kernels: it needs a GPU")
+    if args.also_attention and not torch.cuda.is_available():  # a CPU runs SDPA whatever the config says
+        parser.error("--also-attention compares attention kernels: without a GPU every one would run SDPA")
 
     started = time.monotonic()
     checkpoint = Path(args.checkpoint)

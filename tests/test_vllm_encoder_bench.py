@@ -100,7 +100,14 @@ def test_the_table_adds_kernel_time_by_kind_where_it_was_measured():
     assert "| ours | 1948.0 | 1920.0 | 876.0 | 862.0 | 113.0 | 50.0 | 19.0 | 0.0 | 7656 |" in table
 
 
-def test_kernel_time_is_refused_without_a_gpu_before_anything_loads(tmp_path):
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--kernel-time"], "--kernel-time profiles CUDA kernels: it needs a GPU"),
+        (["--also-attention", "fa3"], "--also-attention compares attention kernels: without a GPU"),
+    ],
+)
+def test_gpu_only_flags_are_refused_without_a_gpu_before_anything_loads(tmp_path, flags, message):
     import subprocess
     import sys
     from pathlib import Path
@@ -108,12 +115,12 @@ def test_kernel_time_is_refused_without_a_gpu_before_anything_loads(tmp_path):
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: --kernel-time is accepted")
+        pytest.skip("this machine has a GPU: the flags are accepted")
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_encoder_bench.py"
     done = subprocess.run(
-        [sys.executable, str(bench), "--checkpoint", str(tmp_path), "--kernel-time"],
+        [sys.executable, str(bench), "--checkpoint", str(tmp_path), *flags],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert done.returncode == 2 and "--kernel-time profiles CUDA kernels: it needs a GPU" in done.stderr
+    assert done.returncode == 2 and message in done.stderr
