@@ -98,3 +98,9 @@ def test_kernels_replayed_from_a_cuda_graph_are_counted_by_kind():
     for result in (eager, replayed):
         assert result["by_kind_ms"]["matmul"] > 0 and result["by_kind_ms"]["norm"] > 0
     assert replayed["kernels"] == eager["kernels"]  # each of the graph's kernels, not one opaque launch
+
+
+@pytest.mark.gpu
+def test_a_pass_that_launches_no_kernels_is_an_error_not_an_empty_row():
+    with pytest.raises(RuntimeError, match="no CUDA kernels"):
+        kernel_time(lambda: torch.empty(8, device="cuda"), torch.device("cuda"))
