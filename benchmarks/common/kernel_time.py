@@ -18,7 +18,7 @@ _RULES = (
     ("matmul", ("nvjet", "gemm", "gemv", "cutlass", "xmma", "cublas", "splitk")),
     ("norm", ("norm",)),
     ("copy", ("memcpy", "memset", "copy", "catarray", "fill")),
-    # aten's and vLLM's pointwise kernels (GELU, adds, rotary); inductor's fused ones are named above
+    # aten's and vLLM's pointwise kernels (GELU, adds, rotary); inductor's are sorted out before the rules
     ("elementwise", ("elementwise", "rotary", "gelu", "act_and_mul", "reduce")),
 )
 

@@ -34,8 +34,6 @@ class GpuSampler:
 
     def _read(self) -> None:
         for line in self.process.stdout:
-            if self.process.returncode is not None:  # stopped: what is left is after the point
-                break
             try:
                 self.samples.append([float(v) for v in line.split(",")])
             except ValueError:
@@ -44,7 +42,7 @@ class GpuSampler:
     def stop(self) -> dict:
         self.process.terminate()
         self.process.wait(timeout=10)
-        samples = list(self.samples)
+        samples = list(self.samples)  # the point's: lines read after this are not counted
         gpus = sorted({int(s[0]) for s in samples})
         return {
             f"gpu{g}": {
