@@ -38,9 +38,11 @@ imported by that kernel's lookup, which puts back the environment variables vLLM
 runs; `ours-<kernel>-vllm-calls` the same on each `--also-attention` kernel): against `ours` it
 measures our packing, against vLLM our forward. `--kernel-time` adds one profiled stream pass per
 system: its GPU kernel time by kind (matmul, attention, norm, ...), which says where a gap comes
-from. Throughput: one pass over the stream with one synchronization at its end; latency: another
-pass synchronized around each call (ours: a pack; vLLM: one `execute` call). Passes rotate between
-systems, `--rounds` times; medians are reported.
+from, beside each system's mean SM clock and board power over its throughput passes (kernels slower
+at the same launches under a lower clock: the power cap, not more work). Throughput: one pass over
+the stream with one synchronization at its end; latency: another pass synchronized around each call
+(ours: a pack; vLLM: one `execute` call). Passes rotate between systems, `--rounds` times; medians
+are reported.
 
 MFU, one formula for every system: `encoder_bench.useful_flops` of the items (2 x rows x in x out
 for every linear layer over the real rows, the patch embedding as a linear over the patch rows,
@@ -70,6 +72,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common.environment import environment  # noqa: E402
 from benchmarks.common.flops import measure_peak_tflops, useful_flops  # noqa: E402
 from benchmarks.common.kernel_time import kernel_time  # noqa: E402
+from benchmarks.common.utilisation import ClockSampler  # noqa: E402
 from benchmarks.common.vllm_encoder_table import format_table  # noqa: E402
 from benchmarks.common.workload import decoded_items, photo, workload  # noqa: E402
 from models.tiny_checkpoint import RECORD_FILE  # noqa: E402
@@ -310,7 +313,7 @@ def timed_rounds(calls: dict[str, list], device: torch.device, rounds: int, dead
     for name, fns in calls.items():
         warm[name] = stream_pass(fns, device, each=False)[0]
     print("warm pass: " + ", ".join(f"{n} {t:.2f} s" for n, t in warm.items()), flush=True)
-    results: dict[str, dict] = {name: {"seconds": [], "latency": []} for name in calls}
+    results: dict[str, dict] = {name: {"seconds": [], "latency": [], "windows": []} for name in calls}
     names = list(calls)
     for round_ in range(rounds):
         if round_ and time.monotonic() + 2.2 * sum(warm.values()) > deadline:
@@ -318,7 +321,9 @@ def timed_rounds(calls: dict[str, list], device: torch.device, rounds: int, dead
             break
         order = names if round_ % 2 == 0 else names[::-1]
         for name in order:
+            start = time.monotonic()
             results[name]["seconds"].append(stream_pass(calls[name], device, each=False)[0])
+            results[name]["windows"].append((start, time.monotonic()))
         for name in order:
             results[name]["latency"].extend(stream_pass(calls[name], device, each=True)[1])
         tokens = sum(t for _, t in next(iter(calls.values())))
@@ -496,7 +501,9 @@ def main() -> None:
         ]
     # the end leaves 60 s for the single image and the peak, and with --kernel-time 120 s more for its passes
     end = started + args.time_limit - 60
+    clocks = ClockSampler()  # the GPU's SM clock and power over each throughput pass (none without nvidia-smi)
     results = timed_rounds(calls, device, args.rounds, end - (120 if args.kernel_time else 0))
+    clocks.stop()
     kernels = {}
     if args.kernel_time:
         for name, fns in calls.items():
@@ -531,6 +538,7 @@ def main() -> None:
             "calls_per_stream": len(calls[name]),
             "latency": latency_summary(results[name]["latency"]),
             "kernel_time": kernels.get(name),
+            "clocks": clocks.summary(results[name]["windows"]),
         }
     for name, ms in single.items():
         systems.setdefault(name, {}).update(

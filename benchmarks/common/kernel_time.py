@@ -74,17 +74,20 @@ def kernel_time(fn: Callable[[], object], device: torch.device, top: int = 12) -
 
 
 def kernel_table(systems: dict[str, dict]) -> str:
-    """Markdown: ms per kind for each system that has a `kernel_time` record."""
+    """Markdown: ms per kind for each system that has a `kernel_time` record, and its mean SM clock and
+    board power over its throughput passes where sampled (`clocks`)."""
     lines = [
-        "| system | wall ms | kernel ms | " + " | ".join(KINDS) + " | kernels |",
-        "|---|" + "---|" * (len(KINDS) + 3),
+        "| system | wall ms | kernel ms | " + " | ".join(KINDS) + " | kernels | SM MHz | W |",
+        "|---|" + "---|" * (len(KINDS) + 5),
     ]
     for name, system in systems.items():
         record = system.get("kernel_time")
         if not record:
             continue
         kinds = " | ".join(f"{record['by_kind_ms'][kind]:.1f}" for kind in KINDS)
+        clocks = system.get("clocks") or {}
         lines.append(
-            f"| {name} | {record['wall_ms']:.1f} | {record['kernel_ms']:.1f} | {kinds} | {record['kernels']} |"
+            f"| {name} | {record['wall_ms']:.1f} | {record['kernel_ms']:.1f} | {kinds} | {record['kernels']} "
+            f"| {clocks.get('sm_mhz', '')} | {clocks.get('power_w', '')} |"
         )
     return "\n".join(lines) if len(lines) > 2 else ""

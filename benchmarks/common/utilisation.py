@@ -1,8 +1,10 @@
-"""Samplers over a benchmark point: each GPU's utilisation and memory (nvidia-smi), and the host
-cores busy less the client processes' (the servers' share, which GPU utilisation does not show)."""
+"""Samplers over a benchmark point: each GPU's utilisation and memory (nvidia-smi), one GPU's SM clock
+and board power over chosen windows, and the host cores busy less the client processes' (the servers'
+share, which GPU utilisation does not show)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import threading
@@ -51,6 +53,63 @@ class GpuSampler:
             }
             for g in gpus
         }
+
+
+def clock_summary(samples: list[tuple[float, float, float]], windows: list[tuple[float, float]]) -> dict | None:
+    """Mean SM clock (MHz) and board power (W) of the `(time, mhz, watts)` samples inside any of the
+    `(start, end)` windows, and how many there were; None where none fell inside."""
+    inside = [s for s in samples if any(start <= s[0] <= end for start, end in windows)]
+    if not inside:
+        return None
+    return {
+        "sm_mhz": round(float(np.mean([s[1] for s in inside])), 1),
+        "power_w": round(float(np.mean([s[2] for s in inside])), 1),
+        "samples": len(inside),
+    }
+
+
+class ClockSampler:
+    """One GPU's SM clock and board power from nvidia-smi every 50 ms, stamped with `time.monotonic()`:
+    a kernel that runs slower under one system than another at the same launch counts shows here
+    whether the GPU ran at a lower clock (its power cap) or did more work."""
+
+    def __init__(self, index: int | None = None):
+        if index is None:  # the first visible GPU: nvidia-smi counts all of the host's
+            first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+            index = int(first) if first.isdigit() else 0
+        self.samples: list[tuple[float, float, float]] = []
+        self.process = None
+        if shutil.which("nvidia-smi") is None:  # no GPU here: no samples
+            return
+        self.process = subprocess.Popen(
+            [
+                "nvidia-smi",
+                f"--id={index}",
+                "--query-gpu=clocks.sm,power.draw",
+                "--format=csv,noheader,nounits",
+                "-lms",
+                "50",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            try:
+                mhz, watts = (float(v) for v in line.split(","))
+            except ValueError:  # "[N/A]" or a partial line
+                continue
+            self.samples.append((time.monotonic(), mhz, watts))
+
+    def summary(self, windows: list[tuple[float, float]]) -> dict | None:
+        return clock_summary(list(self.samples), windows)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
 
 
 class CpuSampler:

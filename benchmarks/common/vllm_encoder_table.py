@@ -40,5 +40,11 @@ def format_table(record: dict) -> str:
         )
     kernels = kernel_table(record["systems"])
     if kernels:  # one profiled stream pass per system
-        lines += ["", "GPU kernel time over one stream pass (ms; `--kernel-time`):", "", kernels]
+        lines += [
+            "",
+            "GPU kernel time over one stream pass (ms; `--kernel-time`); SM clock and board power: means over the "
+            "system's throughput passes:",
+            "",
+            kernels,
+        ]
     return "\n".join(lines)
