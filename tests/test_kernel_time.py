@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.common.kernel_time import KINDS, kernel_kind, kernel_table, kernel_time
+from benchmarks.common.kernel_time import KINDS, kernel_kind, kernel_table, kernel_time, summarise
 from benchmarks.common.utilisation import clock_summary
 
 # names as the profiler reported them for vllm_encoder_bench's systems (H200, torch 2.11, vLLM 0.26)
@@ -73,6 +73,17 @@ def test_the_table_has_a_row_per_profiled_system_and_a_column_per_kind():
     assert cells[-2:] == ["1655.5", "540.2"]  # its clocks; a system without samples leaves them empty
     assert lines[2].rstrip("| ").split(" | ")[-1] == "7"
     assert kernel_table({"ours": {}}) == ""
+
+
+def test_a_summary_sums_by_kind_and_ranks_kernels_with_their_launches():
+    gemm, norm, rope = "nvjet_sm90_tst_192x192_bias_TNN", "_add_layer_norm", "triton_poi_fused_exact_attention_mul_neg"
+    kernels = [(gemm, 2.0), (norm, 0.5), (gemm, 2.5), (rope, 0.25), (gemm, 1.5), (norm, 0.5)]
+    summary = summarise(kernels, wall_ms=9.0, top=2)
+    assert summary["wall_ms"] == 9.0 and summary["kernels"] == 6 and summary["kernel_ms"] == 7.25
+    assert summary["by_kind_ms"] == {**dict.fromkeys(KINDS, 0.0), "matmul": 6.0, "norm": 1.0, "elementwise": 0.25}
+    assert summary["top"] == [[gemm, 6.0, 3], [norm, 1.0, 2]]  # by ms, each with its launches; the rest cut
+    with pytest.raises(RuntimeError, match="no CUDA kernels"):
+        summarise([], wall_ms=1.0)
 
 
 def test_kernel_time_refuses_a_device_without_cuda_kernels():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -40,36 +40,44 @@ def kernel_kind(name: str) -> str:
 
 
 def kernel_time(fn: Callable[[], object], device: torch.device, top: int = 12) -> dict:
-    """Profile one call of `fn` (CUDA kernels, CUDA graph replays' included): its wall ms, the
-    kernels' summed ms (busy, where kernels do not overlap), ms per kind and the `top` kernels."""
+    """Profile one call of `fn` (CUDA kernels, CUDA graph replays' included): `summarise` of its
+    kernels and its wall ms."""
     if device.type != "cuda":
         raise ValueError("kernel time needs a CUDA device")
     from torch.profiler import ProfilerActivity, profile
 
-    by_kind: dict[str, float] = defaultdict(float)
-    by_name: dict[str, float] = defaultdict(float)
-    count = 0
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         fn()
         torch.cuda.synchronize(device)
         wall_ms = (time.perf_counter() - start) * 1e3
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        ms = event.device_time_total / 1e3
-        by_kind[kernel_kind(event.name)] += ms
-        by_name[event.name[:160]] += ms
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = [(event.name, event.device_time_total / 1e3) for event in prof.events() if event.device_type == cuda]
+    return summarise(kernels, wall_ms, top)
+
+
+def summarise(kernels: Iterable[tuple[str, float]], wall_ms: float, top: int = 12) -> dict:
+    """The `(name, ms)` kernels of one call: the wall ms, the kernels' summed ms (busy, where kernels do
+    not overlap), their count, ms per kind and the `top` kernels by ms as (name, ms, launches): the same
+    kernel slower at the same launches is a slower GPU (its clock), not more work."""
+    by_kind: dict[str, float] = defaultdict(float)
+    by_name: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    count = 0
+    for name, ms in kernels:
+        by_kind[kernel_kind(name)] += ms
+        by_name[name[:160]][0] += ms
+        by_name[name[:160]][1] += 1
         count += 1
     if not count:  # CUPTI gave no kernel records: zeros would read as a measurement
         raise RuntimeError("the profiler recorded no CUDA kernels (is CUPTI available?)")
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
     return {
         "wall_ms": wall_ms,
         "kernel_ms": sum(by_kind.values()),
         "kernels": count,
         "by_kind_ms": {kind: by_kind.get(kind, 0.0) for kind in KINDS},
-        "top": sorted(by_name.items(), key=lambda item: -item[1])[:top],
+        "top": [[name, ms, launches] for name, (ms, launches) in ranked],
     }
 
 
