@@ -71,7 +71,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common.environment import environment  # noqa: E402
 from benchmarks.common.flops import measure_peak_tflops, useful_flops  # noqa: E402
-from benchmarks.common.kernel_time import kernel_time  # noqa: E402
+from benchmarks.common.kernel_time import kernel_times  # noqa: E402
 from benchmarks.common.utilisation import ClockSampler  # noqa: E402
 from benchmarks.common.vllm_encoder_table import format_table  # noqa: E402
 from benchmarks.common.workload import decoded_items, photo, workload  # noqa: E402
@@ -504,14 +504,8 @@ def main() -> None:
     clocks = ClockSampler()  # the GPU's SM clock and power over each throughput pass (none without nvidia-smi)
     results = timed_rounds(calls, device, args.rounds, end - (120 if args.kernel_time else 0))
     clocks.stop()
-    kernels = {}
-    if args.kernel_time:
-        for name, fns in calls.items():
-            if time.monotonic() > end:
-                print(f"kernel time: stopped before {name} (the time limit)", flush=True)
-                break
-            kernels[name] = kernel_time(lambda fns=fns: stream_pass(fns, device, each=False), device)
-            print(f"{name}: kernel ms by kind {kernels[name]['by_kind_ms']}", flush=True)
+    passes = {name: lambda fns=fns: stream_pass(fns, device, each=False) for name, fns in calls.items()}
+    kernels = kernel_times(passes, device, deadline=end) if args.kernel_time else {}
 
     paths = {
         "ours": our_call(runner, single_rows, [single_spec]),

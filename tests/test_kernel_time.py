@@ -3,10 +3,12 @@ report table, and a profiled CUDA graph replay on the GPU."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from benchmarks.common.kernel_time import KINDS, kernel_kind, kernel_table, kernel_time, summarise
+from benchmarks.common.kernel_time import KINDS, kernel_kind, kernel_table, kernel_time, kernel_times, summarise
 from benchmarks.common.utilisation import clock_summary
 
 # names as the profiler reported them for vllm_encoder_bench's systems (H200, torch 2.11, vLLM 0.26)
@@ -130,3 +132,22 @@ def test_clock_summary_averages_the_samples_inside_the_windows_only():
     assert summary == {"sm_mhz": 1600.0, "power_w": 680.0, "samples": 3}
     assert clock_summary(samples, [(5.0, 6.0)]) is None  # nothing sampled there: no number
     assert clock_summary([], [(0.0, 9.0)]) is None
+
+
+def test_kernel_times_begin_no_pass_after_the_deadline():
+    """The passes profiled before the time limit keep their rows; none is begun after it."""
+    ran = []
+
+    def measure(fn, device):
+        fn()
+        return {"by_kind_ms": {}}
+
+    def slow(name):  # a pass that takes until past the deadline
+        return lambda: (ran.append(name), time.sleep(0.3))
+
+    passes = {"ours": slow("ours"), "vllm-tuned": slow("vllm-tuned")}
+    done = kernel_times(passes, torch.device("cpu"), deadline=time.monotonic() + 0.1, measure=measure)
+    assert ran == ["ours"] and list(done) == ["ours"]
+    everything = kernel_times(passes, torch.device("cpu"), deadline=time.monotonic() + 60, measure=measure)
+    assert list(everything) == ["ours", "vllm-tuned"]
+    assert kernel_times(passes, torch.device("cpu"), deadline=time.monotonic() - 1, measure=measure) == {}

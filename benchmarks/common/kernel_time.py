@@ -57,6 +57,25 @@ def kernel_time(fn: Callable[[], object], device: torch.device, top: int = 12) -
     return summarise(kernels, wall_ms, top)
 
 
+def kernel_times(
+    passes: dict[str, Callable[[], object]],
+    device: torch.device,
+    deadline: float,
+    measure: Callable[[Callable[[], object], torch.device], dict] | None = None,
+) -> dict[str, dict]:
+    """`kernel_time` (or `measure`) of each system's pass in turn, none begun after `deadline`
+    (`time.monotonic()`): the systems profiled before the limit keep their rows, the rest have none."""
+    measure = measure or kernel_time
+    kernels = {}
+    for name, fn in passes.items():
+        if time.monotonic() > deadline:
+            print(f"kernel time: stopped before {name} (the time limit)", flush=True)
+            break
+        kernels[name] = measure(fn, device)
+        print(f"{name}: kernel ms by kind {kernels[name]['by_kind_ms']}", flush=True)
+    return kernels
+
+
 def summarise(kernels: Iterable[tuple[str, float]], wall_ms: float, top: int = 12) -> dict:
     """The `(name, ms)` kernels of one call: the wall ms, the kernels' summed ms (busy, where kernels do
     not overlap), their count, ms per kind and the `top` kernels by ms as (name, ms, launches): the same
