@@ -38,11 +38,11 @@ imported by that kernel's lookup, which puts back the environment variables vLLM
 runs; `ours-<kernel>-vllm-calls` the same on each `--also-attention` kernel): against `ours` it
 measures our packing, against vLLM our forward. `--kernel-time` adds one profiled stream pass per
 system: its GPU kernel time by kind (matmul, attention, norm, ...), which says where a gap comes
-from, beside each system's mean SM clock and board power over its throughput passes (kernels slower
-at the same launches under a lower clock: the power cap, not more work). Throughput: one pass over
-the stream with one synchronization at its end; latency: another pass synchronized around each call
-(ours: a pack; vLLM: one `execute` call). Passes rotate between systems, `--rounds` times; medians
-are reported.
+from, beside each system's mean SM clock and power over its throughput passes and the share of them
+the GPU's power cap held its clock down (the same kernels slower at the same launches: look at the
+clock). Throughput: one pass over the stream with one synchronization at its end; latency: another
+pass synchronized around each call (ours: a pack; vLLM: one `execute` call). Passes rotate between
+systems, `--rounds` times; medians are reported.
 
 MFU, one formula for every system: `encoder_bench.useful_flops` of the items (2 x rows x in x out
 for every linear layer over the real rows, the patch embedding as a linear over the patch rows,
@@ -72,7 +72,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common.environment import environment  # noqa: E402
 from benchmarks.common.flops import measure_peak_tflops, useful_flops  # noqa: E402
 from benchmarks.common.kernel_time import kernel_times  # noqa: E402
-from benchmarks.common.utilisation import ClockSampler  # noqa: E402
+from benchmarks.common.utilisation import ClockSampler, nvidia_smi_ids  # noqa: E402
 from benchmarks.common.vllm_encoder_table import format_table  # noqa: E402
 from benchmarks.common.workload import decoded_items, photo, workload  # noqa: E402
 from models.tiny_checkpoint import RECORD_FILE  # noqa: E402
@@ -501,9 +501,12 @@ def main() -> None:
         ]
     # the end leaves 60 s for the single image and the peak, and with --kernel-time 120 s more for its passes
     end = started + args.time_limit - 60
-    clocks = ClockSampler()  # the GPU's SM clock and power over each throughput pass (none without nvidia-smi)
-    results = timed_rounds(calls, device, args.rounds, end - (120 if args.kernel_time else 0))
-    clocks.stop()
+    gpu = nvidia_smi_ids(torch.cuda.get_device_properties(device)) if device.type == "cuda" else []
+    clocks = ClockSampler(gpu)  # the GPU's SM clock and power over each throughput pass
+    try:
+        results = timed_rounds(calls, device, args.rounds, end - (120 if args.kernel_time else 0))
+    finally:
+        clocks.stop()
     passes = {name: lambda fns=fns: stream_pass(fns, device, each=False) for name, fns in calls.items()}
     kernels = kernel_times(passes, device, deadline=end) if args.kernel_time else {}
 
@@ -546,6 +549,7 @@ def main() -> None:
         single={"size": [448, 448], "tokens": single_spec.output_tokens, "gflops": single_flops / 1e9},
         agreement_items=compared,
         peak_bf16_tflops=peak,
+        gpu_power_limit_w=clocks.power_limit_w,
         ours={
             "warm_up_s": warm_s,
             "ladder": list(ladder.budgets),

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from benchmarks.common.kernel_time import KINDS, kernel_kind, kernel_table, kernel_time, kernel_times, summarise
-from benchmarks.common.utilisation import clock_summary
 
 # names as the profiler reported them for vllm_encoder_bench's systems (H200, torch 2.11, vLLM 0.26)
 SEEN = {
@@ -63,7 +62,7 @@ def test_the_table_has_a_row_per_profiled_system_and_a_column_per_kind():
         "ours": {"kernel_time": record(100.0, {"matmul": 40.0, "attention": 50.0, "norm": 5.0})},
         "vllm-tuned": {
             "kernel_time": record(120.0, {"matmul": 45.0, "attention": 52.0, "elementwise": 9.5}),
-            "clocks": {"sm_mhz": 1655.5, "power_w": 540.2, "samples": 40},
+            "clocks": {"sm_mhz": 1655.5, "power_w": 540.2, "power_capped": 0.95, "samples": 40},
         },
         "vllm-eager": {"kernel_time": None},  # not profiled: no row
     }
@@ -72,8 +71,10 @@ def test_the_table_has_a_row_per_profiled_system_and_a_column_per_kind():
     assert [line.split(" | ")[0] for line in lines[2:]] == ["| ours", "| vllm-tuned"]
     cells = lines[3].strip("| ").split(" | ")
     assert cells[1:3] == ["120.0", "106.5"] and cells[3 + KINDS.index("elementwise")] == "9.5"
-    assert cells[-2:] == ["1655.5", "540.2"]  # its clocks; a system without samples leaves them empty
-    assert lines[2].rstrip("| ").split(" | ")[-1] == "7"
+    assert lines[0].endswith("| kernels | SM MHz | W | power-capped |")
+    assert lines[3].endswith("| 7 | 1655.5 | 540.2 | 95% |")  # its clocks
+    assert lines[2].endswith("| 7 |  |  |  |")  # a system without samples: empty cells, not a short row
+    assert len({line.count("|") for line in lines}) == 1
     assert kernel_table({"ours": {}}) == ""
 
 
@@ -123,15 +124,6 @@ def test_kernels_replayed_from_a_cuda_graph_are_counted_by_kind():
 def test_a_pass_that_launches_no_kernels_is_an_error_not_an_empty_row():
     with pytest.raises(RuntimeError, match="no CUDA kernels"):
         kernel_time(lambda: torch.empty(8, device="cuda"), torch.device("cuda"))
-
-
-def test_clock_summary_averages_the_samples_inside_the_windows_only():
-    samples = [(0.5, 1980.0, 300.0), (1.0, 1700.0, 650.0), (1.5, 1600.0, 700.0), (2.5, 1980.0, 200.0)]
-    samples.append((3.0, 1500.0, 690.0))
-    summary = clock_summary(samples, [(1.0, 1.5), (3.0, 4.0)])  # ends included; 0.5 and 2.5 outside
-    assert summary == {"sm_mhz": 1600.0, "power_w": 680.0, "samples": 3}
-    assert clock_summary(samples, [(5.0, 6.0)]) is None  # nothing sampled there: no number
-    assert clock_summary([], [(0.0, 9.0)]) is None
 
 
 def test_kernel_times_begin_no_pass_after_the_deadline():

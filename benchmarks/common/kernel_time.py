@@ -79,7 +79,7 @@ def kernel_times(
 def summarise(kernels: Iterable[tuple[str, float]], wall_ms: float, top: int = 12) -> dict:
     """The `(name, ms)` kernels of one call: the wall ms, the kernels' summed ms (busy, where kernels do
     not overlap), their count, ms per kind and the `top` kernels by ms as (name, ms, launches): the same
-    kernel slower at the same launches is a slower GPU (its clock), not more work."""
+    kernel slower at the same launches did the same work more slowly (a clock to look at)."""
     by_kind: dict[str, float] = defaultdict(float)
     by_name: dict[str, list] = defaultdict(lambda: [0.0, 0])
     count = 0
@@ -101,11 +101,11 @@ def summarise(kernels: Iterable[tuple[str, float]], wall_ms: float, top: int = 1
 
 
 def kernel_table(systems: dict[str, dict]) -> str:
-    """Markdown: ms per kind for each system that has a `kernel_time` record, and its mean SM clock and
-    board power over its throughput passes where sampled (`clocks`)."""
+    """Markdown: ms per kind for each system that has a `kernel_time` record, and its mean SM clock, power
+    and power-capped share over its throughput passes where sampled (`clocks`)."""
     lines = [
-        "| system | wall ms | kernel ms | " + " | ".join(KINDS) + " | kernels | SM MHz | W |",
-        "|---|" + "---|" * (len(KINDS) + 5),
+        "| system | wall ms | kernel ms | " + " | ".join(KINDS) + " | kernels | SM MHz | W | power-capped |",
+        "|---|" + "---|" * (len(KINDS) + 6),
     ]
     for name, system in systems.items():
         record = system.get("kernel_time")
@@ -113,8 +113,9 @@ def kernel_table(systems: dict[str, dict]) -> str:
             continue
         kinds = " | ".join(f"{record['by_kind_ms'][kind]:.1f}" for kind in KINDS)
         clocks = system.get("clocks") or {}
+        capped = "" if clocks.get("power_capped") is None else f"{clocks['power_capped']:.0%}"
         lines.append(
             f"| {name} | {record['wall_ms']:.1f} | {record['kernel_ms']:.1f} | {kinds} | {record['kernels']} "
-            f"| {clocks.get('sm_mhz', '')} | {clocks.get('power_w', '')} |"
+            f"| {clocks.get('sm_mhz', '')} | {clocks.get('power_w', '')} | {capped} |"
         )
     return "\n".join(lines) if len(lines) > 2 else ""

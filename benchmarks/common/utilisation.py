@@ -4,11 +4,11 @@ share, which GPU utilisation does not show)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -55,61 +55,110 @@ class GpuSampler:
         }
 
 
-def clock_summary(samples: list[tuple[float, float, float]], windows: list[tuple[float, float]]) -> dict | None:
-    """Mean SM clock (MHz) and board power (W) of the `(time, mhz, watts)` samples inside any of the
-    `(start, end)` windows, and how many there were; None where none fell inside."""
+CLOCK_QUERIES = (
+    "clocks.sm,power.draw.instant,clocks_event_reasons.sw_power_cap",  # the power now; the power cap's clock flag
+    "clocks.sm,power.draw",  # drivers without those fields: power averaged over about a second
+)
+"""nvidia-smi's fields for `ClockSampler`, the first the GPU's driver answers."""
+
+
+def parse_clock_line(line: str) -> tuple[float, float, float | None] | None:
+    """`(SM MHz, watts, 1.0 where the power cap holds the clock down, 0.0 where not, None unknown)` from
+    one line of nvidia-smi's CSV; None for a line without numbers ("[N/A]", a partial line)."""
+    parts = [part.strip() for part in line.split(",")]
+    try:
+        mhz, watts = float(parts[0]), float(parts[1])
+    except (ValueError, IndexError):
+        return None
+    capped = {"Active": 1.0, "Not Active": 0.0}.get(parts[2]) if len(parts) > 2 else None
+    return mhz, watts, capped
+
+
+def clock_summary(samples: list[tuple], windows: list[tuple[float, float]]) -> dict | None:
+    """Mean SM clock (MHz) and power (W) of the `(time, mhz, watts, capped)` samples inside any of the
+    `(start, end)` windows, the share of them the power cap held down (where the driver says), and how
+    many there were; None where none fell inside."""
     inside = [s for s in samples if any(start <= s[0] <= end for start, end in windows)]
     if not inside:
         return None
+    capped = [s[3] for s in inside if len(s) > 3 and s[3] is not None]
     return {
         "sm_mhz": round(float(np.mean([s[1] for s in inside])), 1),
         "power_w": round(float(np.mean([s[2] for s in inside])), 1),
+        "power_capped": round(float(np.mean(capped)), 3) if capped else None,
         "samples": len(inside),
     }
 
 
-class ClockSampler:
-    """One GPU's SM clock and board power from nvidia-smi every 50 ms, stamped with `time.monotonic()`:
-    a kernel that runs slower under one system than another at the same launch counts shows here
-    whether the GPU ran at a lower clock (its power cap) or did more work."""
+def nvidia_smi_ids(props) -> list[str]:
+    """nvidia-smi `--id`s of the CUDA device with these `torch.cuda.get_device_properties`: its UUID, then
+    its PCI bus id (CUDA numbers devices in its own order, nvidia-smi by bus)."""
+    bus = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+    return [f"GPU-{props.uuid}", bus]
 
-    def __init__(self, index: int | None = None):
-        if index is None:  # the first visible GPU: nvidia-smi counts all of the host's
-            first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-            index = int(first) if first.isdigit() else 0
-        self.samples: list[tuple[float, float, float]] = []
-        self.process = None
-        if shutil.which("nvidia-smi") is None:  # no GPU here: no samples
+
+class ClockSampler:
+    """One GPU's SM clock and power from nvidia-smi every 50 ms, stamped with `time.monotonic()`, and
+    its enforced power limit: where the same kernels at the same launches run slower under one system
+    than another, this says whether the GPU's clock differed. `gpus`: ids for nvidia-smi's `--id`, the
+    first it answers is sampled (a UUID, a PCI bus id: CUDA's device order need not be nvidia-smi's);
+    none, or no nvidia-smi, samples nothing."""
+
+    def __init__(self, gpus: Sequence[str]):
+        self.samples: list[tuple[float, float, float, float | None]] = []
+        self.process = self.power_limit_w = self.query = None
+        if not gpus or shutil.which("nvidia-smi") is None:
             return
+        for gpu in gpus:
+            command = ["nvidia-smi", f"--id={gpu}", "--format=csv,noheader,nounits"]
+            self.query = next((query for query in CLOCK_QUERIES if self._once(command, query)), None)
+            if self.query is not None:
+                break
+        else:
+            print(f"clocks: nvidia-smi answered none of {CLOCK_QUERIES} for {list(gpus)}: no samples", flush=True)
+            return
+        limit = self._once(command, "enforced.power.limit")
+        self.power_limit_w = limit[0] if limit else None
         self.process = subprocess.Popen(
-            [
-                "nvidia-smi",
-                f"--id={index}",
-                "--query-gpu=clocks.sm,power.draw",
-                "--format=csv,noheader,nounits",
-                "-lms",
-                "50",
-            ],
+            [*command, f"--query-gpu={self.query}", "-lms", "50"],
             stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
             text=True,
         )
         threading.Thread(target=self._read, daemon=True).start()
 
+    @staticmethod
+    def _once(command: list[str], query: str) -> tuple[float, ...] | None:
+        """One reading of `query`'s fields (their numbers), or None where nvidia-smi refuses it."""
+        try:
+            done = subprocess.run([*command, f"--query-gpu={query}"], capture_output=True, text=True, timeout=10)
+        except subprocess.TimeoutExpired:
+            return None
+        if done.returncode != 0:
+            return None
+        try:
+            return tuple(float(v) for v in done.stdout.split(",")[:2])
+        except ValueError:
+            return None
+
     def _read(self) -> None:
         for line in self.process.stdout:
-            try:
-                mhz, watts = (float(v) for v in line.split(","))
-            except ValueError:  # "[N/A]" or a partial line
-                continue
-            self.samples.append((time.monotonic(), mhz, watts))
+            sample = parse_clock_line(line)
+            if sample is not None:
+                self.samples.append((time.monotonic(), *sample))
 
     def summary(self, windows: list[tuple[float, float]]) -> dict | None:
         return clock_summary(list(self.samples), windows)
 
     def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 class CpuSampler:

@@ -42,8 +42,9 @@ def format_table(record: dict) -> str:
     if kernels:  # one profiled stream pass per system
         lines += [
             "",
-            "GPU kernel time over one stream pass (ms; `--kernel-time`); SM clock and board power: means over the "
-            "system's throughput passes:",
+            "GPU kernel time over one stream pass (ms; `--kernel-time`); SM clock, power and the share of samples "
+            f"the power cap held the clock down: over the system's throughput passes (limit "
+            f"{record.get('gpu_power_limit_w') or '?'} W):",
             "",
             kernels,
         ]
