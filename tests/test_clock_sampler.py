@@ -98,3 +98,22 @@ def test_clock_sampler_without_a_gpu_it_can_name_samples_nothing(fake_smi, capsy
     assert sample_for_a_while(ClockSampler(["GPU-gone"])) is None
     assert "no samples" in capsys.readouterr().out
     assert sample_for_a_while(ClockSampler([])) is None  # a CPU run: nvidia-smi is not asked
+
+
+@pytest.mark.gpu
+def test_clock_sampler_finds_this_gpu_by_uuid_and_by_bus():
+    """On a GPU host: nvidia-smi answers to each id the benchmark derives from torch's device properties."""
+    import torch
+
+    x = torch.randn(4096, 4096, device="cuda")
+    for gpu in nvidia_smi_ids(torch.cuda.get_device_properties(0)):
+        sampler = ClockSampler([gpu])
+        start = time.monotonic()
+        for _ in range(400):  # about a second of float32 matmuls: samples of a busy GPU
+            x @ x
+        torch.cuda.synchronize()
+        end = time.monotonic()
+        sampler.stop()
+        summary = sampler.summary([(start, end)])
+        assert sampler.query is not None and sampler.power_limit_w, gpu
+        assert summary and summary["samples"] >= 5 and summary["sm_mhz"] > 0 and summary["power_w"] > 0, (gpu, summary)

@@ -117,6 +117,7 @@ def test_kernels_replayed_from_a_cuda_graph_are_counted_by_kind():
     replayed = kernel_time(graph.replay, device)
     for result in (eager, replayed):
         assert result["by_kind_ms"]["matmul"] > 0 and result["by_kind_ms"]["norm"] > 0
+        assert sum(launches for _, _, launches in result["top"]) == result["kernels"]  # a few kernels: all in top
     assert replayed["kernels"] == eager["kernels"]  # each of the graph's kernels, not one opaque launch
 
 
