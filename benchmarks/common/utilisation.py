@@ -74,14 +74,16 @@ def parse_clock_line(line: str) -> tuple[float, float, float | None] | None:
     return mhz, watts, capped
 
 
-def clock_summary(samples: list[tuple], windows: list[tuple[float, float]]) -> dict | None:
+def clock_summary(
+    samples: list[tuple[float, float, float, float | None]], windows: list[tuple[float, float]]
+) -> dict | None:
     """Mean SM clock (MHz) and power (W) of the `(time, mhz, watts, capped)` samples inside any of the
     `(start, end)` windows, the share of them the power cap held down (where the driver says), and how
     many there were; None where none fell inside."""
     inside = [s for s in samples if any(start <= s[0] <= end for start, end in windows)]
     if not inside:
         return None
-    capped = [s[3] for s in inside if len(s) > 3 and s[3] is not None]
+    capped = [s[3] for s in inside if s[3] is not None]
     return {
         "sm_mhz": round(float(np.mean([s[1] for s in inside])), 1),
         "power_w": round(float(np.mean([s[2] for s in inside])), 1),
