@@ -266,7 +266,9 @@ class LLMSettings(_Strict):
         8192,
         gt=0,
         description="Longest prompt (text and vision tokens) a chat request may have: counted by the router "
-        "with the LLM's tokenizer once its images are inspected, before any is decoded (413 above).",
+        "with the LLM's tokenizer once its images are inspected, before any is decoded (413 above). Unset "
+        "with the vllm engine and `engine_kwargs.max_model_len`: that less `max_tokens`, so every prompt the "
+        "engine could answer in full is taken.",
     )
     colocate: bool = Field(
         False,
@@ -283,6 +285,19 @@ class LLMSettings(_Strict):
         if self.path is not None:
             return served_name(self.path)
         return self.preset if self.preset in PRESETS else f"{self.family}-{self.preset}"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt_limit_from_context(cls, data: Any) -> Any:
+        """vLLM's `max_model_len` less the longest answer, where `max_prompt_tokens` is not given: a fixed
+        default below the engine's context would refuse prompts `vllm serve` on the same settings answers."""
+        if not isinstance(data, dict) or data.get("engine") != "vllm" or "max_prompt_tokens" in data:
+            return data
+        context = (data.get("engine_kwargs") or {}).get("max_model_len")
+        answer = data.get("max_tokens", cls.model_fields["max_tokens"].default)
+        if isinstance(context, int) and isinstance(answer, int) and context > answer > 0:
+            return {**data, "max_prompt_tokens": context - answer}
+        return data
 
     @model_validator(mode="after")
     def _check_preset(self) -> LLMSettings:

@@ -10,7 +10,7 @@ import torch
 import yaml
 from pydantic import ValidationError
 
-from deployments.config import AppConfig
+from deployments.config import AppConfig, LLMSettings
 from encoder_graphs.config import GraphConfig
 from models import attention
 from models.attention import AttentionBackend
@@ -124,6 +124,23 @@ def test_engine_kwargs_are_vllms_only_and_leave_the_checkpoint_and_dtype_to_thei
         AppConfig.model_validate(
             {**both, "llm": {"engine": "vllm", "path": "/ckpt", "engine_kwargs": {"model": "x", "dtype": "half"}}}
         )
+
+
+def test_the_vllm_prompt_limit_follows_the_engines_context_unless_given():
+    """A prompt `vllm serve` would answer on the same `max_model_len` is not refused by a default below it."""
+
+    def limit(**llm) -> int:
+        config = AppConfig.model_validate({"model": {"path": "/ckpt"}, "llm": {"path": "/ckpt", **llm}})
+        return config.llm.max_prompt_tokens
+
+    vllm = {"engine": "vllm", "engine_kwargs": {"max_model_len": 32768}}
+    assert limit(**vllm, max_tokens=2048) == 30720
+    assert limit(**vllm) == 32768 - LLMSettings.model_fields["max_tokens"].default
+    assert limit(**vllm, max_prompt_tokens=1000) == 1000
+    default = LLMSettings.model_fields["max_prompt_tokens"].default
+    assert limit(engine="vllm") == default  # vLLM's context is then the checkpoint's, unknown here
+    assert limit() == default  # the transformers engine
+    assert limit(**vllm, max_tokens=40000) == default  # no room left: vLLM refuses the settings itself
 
 
 def test_every_shipped_config_validates_and_names_our_deployments():
