@@ -154,6 +154,7 @@ def app(family, checkpoint, reference, serve_harness):
             "device": "cpu",
             "dtype": "float32",
             "max_tokens": 512,
+            "max_prompt_tokens": 8192,  # over the engine's context: its own refusal (a 400) stays reachable
             # without configs/epd-vllm.yaml's GPU share, which the build refuses on CPU
             "engine_kwargs": {**ENGINE_KWARGS, "gpu_memory_utilization": REMOVE},
         },
