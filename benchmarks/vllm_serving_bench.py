@@ -292,6 +292,11 @@ async def stream_chat(session, url: str, body: dict, record: dict, start: float)
                     record["ttft"] = time.monotonic() - start - record["sent"]
 
 
+def time_for_a_rate(deadline: float, seconds: float, now: float) -> bool:
+    """Whether a rate's arrivals (and 30 s to drain them) still end before the time limit."""
+    return now <= deadline - seconds - 30
+
+
 def run_workload(name: str, args, target: dict, log) -> list[dict]:
     """Every rate of the workload in turn, until one overloads the system or time runs out."""
     from benchmarks.common.utilisation import CpuSampler, GpuSampler
@@ -308,7 +313,7 @@ def run_workload(name: str, args, target: dict, log) -> list[dict]:
     levels = []
     try:
         for rate in args.rates.get(name) or WORKLOADS[name]["rates"]:
-            if time.monotonic() > args.deadline - args.seconds - 30:
+            if not time_for_a_rate(args.deadline, args.seconds, time.monotonic()):
                 log(f"{name}: stopping before {rate}/s: time limit")
                 break
             for i in range(args.clients):
@@ -373,6 +378,9 @@ def measure(system: str, args, out: Path) -> int:
             file.write(line + "\n")
 
     started = time.monotonic()
+    if not time_for_a_rate(args.deadline, args.seconds, started):  # no server started for nothing
+        log(f"{system}: not started: the time limit leaves no rate time to run")
+        return 0
     path = out / f"{system}.json"
     kept = json.loads(path.read_text())["workloads"] if args.merge and path.exists() else {}
     running = start_system(system, args, out, log, probe_body)

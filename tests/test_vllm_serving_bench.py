@@ -20,6 +20,7 @@ from benchmarks.vllm_serving_bench import (
     request_body,
     stamped,
     summarize,
+    time_for_a_rate,
 )
 
 
@@ -89,6 +90,12 @@ def test_overloaded_and_rate_at_slo():
     noisy = [level(12, 11.8, 1.9), level(4, 3.9, 1.5), level(8, 7.6, 2.4)]
     assert rate_at_slo(noisy, 2.0) == 3.9
     assert rate_at_slo(noisy, 2.0, every_below=False) == 11.8
+
+
+def test_a_rate_starts_only_if_its_arrivals_and_drain_end_before_the_time_limit():
+    assert time_for_a_rate(deadline=100.0, seconds=30, now=40.0)  # 40 + 30 s of arrivals + 30 s drain = 100
+    assert not time_for_a_rate(deadline=100.0, seconds=30, now=40.5)
+    assert not time_for_a_rate(deadline=1.0, seconds=4, now=0.0)  # --time-limit 1: no server is started
 
 
 def test_rates_per_workload_and_merged_levels():

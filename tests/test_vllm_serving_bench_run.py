@@ -1,6 +1,6 @@
 """The deployment comparison's benchmark run as a user runs it, on CPU: it starts our E/PD system
 (`configs/epd-vllm-cpu.yaml`, vLLM's CPU build) with `serve run`, measures one rate, reports, keeps
-the logs; a run whose time limit allowed no rate fails. Skipped without vLLM (the main CI env); the
+the logs; a run whose time limit allows no rate fails (and starts no server). Skipped without vLLM (the main CI env); the
 vLLM CI step (.ci/vllm) runs this file on its own, before its other tests, since the benchmark
 starts its own Ray and serves on port 8000."""
 
@@ -48,5 +48,7 @@ def test_the_benchmark_measures_our_system_at_a_rate_and_reports_it(tiny_vllm_ch
 
 
 def test_a_run_that_measured_no_rate_fails(tiny_vllm_checkpoint, tmp_path):
+    """A time limit that leaves no rate time to run fails the run, without starting a server first."""
     run = bench(tiny_vllm_checkpoint, tmp_path, "--time-limit", "1")
     assert run.returncode == 1 and "measured no rate for ours" in run.stderr, run.stdout[-4000:] + run.stderr[-4000:]
+    assert "ours: not started" in run.stdout and not (tmp_path / "server-ours.log").exists(), run.stdout[-4000:]
