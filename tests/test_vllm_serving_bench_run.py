@@ -1,8 +1,8 @@
 """The deployment comparison's benchmark run as a user runs it, on CPU: it starts our E/PD system
 (`configs/epd-vllm-cpu.yaml`, vLLM's CPU build) with `serve run`, measures one rate, reports, keeps
-the logs; a run whose time limit allows no rate fails (and starts no server). Skipped without vLLM (the main CI env); the
-vLLM CI step (.ci/vllm) runs this file on its own, before its other tests, since the benchmark
-starts its own Ray and serves on port 8000."""
+the logs; a run whose time limit allows no rate fails and starts no server. Skipped without vLLM
+(the main CI env); the vLLM CI step (.ci/vllm) runs this file on its own, before its other tests,
+since the benchmark starts its own Ray and serves on port 8000."""
 
 from __future__ import annotations
 
