@@ -347,11 +347,19 @@ def run_workload(name: str, args, target: dict, log) -> list[dict]:
     return levels
 
 
+def busiest(level: dict, count: int = 3) -> str:
+    """The level's busiest server processes and the cores each used: a Serve replica by its deployment
+    (`ray::ServeReplica:app:Deployment`), anything else by its title's first word."""
+    found = level.get("cpu", {}).get("busiest_processes", [])[:count]
+    names = [title.split()[0].rsplit(":", 1)[-1].rsplit("/", 1)[-1] for title, _ in found]
+    return ", ".join(f"{name} {cores}" for name, (_, cores) in zip(names, found)) or "-"
+
+
 def format_level(level: dict) -> str:
     p = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     gpus = " ".join(f"{g}:{v['util_pct']:.0f}%" for g, v in level.get("gpus", {}).items())
     if "cpu" in level:
-        gpus += f" server cores {level['cpu']['server_cores']}"
+        gpus += f" server cores {level['cpu']['server_cores']} (busiest: {busiest(level)})"
     return (
         f"{level['answered']}/{level['sent']} answered, {level['requests_per_s']:.2f} req/s, "
         f"{level['output_tokens_per_s']:.0f} out tok/s, "
@@ -429,9 +437,9 @@ def report(out: Path) -> None:
             f"## {name}",
             "",
             "| system | rate/s | window s | answered req/s | out tok/s | TTFT p50 s | TTFT p99 s | e2e p50 s "
-            "| GPU util | server cores |",
+            "| GPU util | server cores | busiest processes, cores |",
         ]
-        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for system, record in records.items():
             for lv in record["workloads"].get(name, []):
                 gpus = " ".join(f"{v['util_pct']:.0f}%" for v in lv["gpus"].values())
@@ -439,7 +447,7 @@ def report(out: Path) -> None:
                     f"| {system} | {lv['rate']} | {lv.get('seconds', 15):g} | {lv['requests_per_s']:.2f} | "
                     f"{lv['output_tokens_per_s']:.0f} | "
                     f"{lv['ttft_p50_s'] or 0:.2f} | {lv['ttft_p99_s'] or 0:.2f} | {lv['e2e_p50_s'] or 0:.2f} | {gpus} "
-                    f"| {lv.get('cpu', {}).get('server_cores', '-')} |"
+                    f"| {lv.get('cpu', {}).get('server_cores', '-')} | {busiest(lv)} |"
                 )
         at_slo = {
             s: (

@@ -129,6 +129,23 @@ def test_cpu_sampler_splits_the_hosts_busy_cores_into_clients_and_servers():
     assert abs(cpu["server_cores"] - (cpu["host_cores"] - cpu["client_cores"])) <= 0.11  # each rounded to 0.1
 
 
+def test_the_busiest_processes_are_ranked_by_the_cores_they_used_between_two_readings():
+    from benchmarks.common.utilisation import busiest_processes
+
+    before = {1: ("router", 10.0), 2: ("replica", 5.0), 3: ("client", 0.0)}
+    after = {1: ("router", 19.0), 2: ("replica", 7.0), 3: ("client", 20.0), 4: ("started later", 4.0)}
+    found = busiest_processes(before, after, 10.0, skip={3}, count=2)
+    assert found == [["router", 0.9], ["started later", 0.4]]
+
+
+def test_the_busiest_processes_are_named_by_their_deployment_or_program():
+    from benchmarks.vllm_serving_bench import busiest
+
+    found = [["ray::ServeReplica:epd:ColocatedReplica", 0.99], ["VLLM::EngineCore_DP0 x", 0.5], ["/usr/bin/haproxy -f", 0.1]]
+    assert busiest({"cpu": {"busiest_processes": found}}) == "ColocatedReplica 0.99, EngineCore_DP0 0.5, haproxy 0.1"
+    assert busiest({"cpu": {"server_cores": 1.0}}) == busiest({}) == "-"  # levels measured before the breakdown
+
+
 def test_vllm_epd_sends_the_encoder_instance_the_request_unstreamed_with_one_token():
     from benchmarks.common.serving_systems import encode_body
 

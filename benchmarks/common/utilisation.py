@@ -4,6 +4,7 @@ share, which GPU utilisation does not show)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import threading
@@ -165,13 +166,17 @@ class ClockSampler:
 
 class CpuSampler:
     """Host CPU cores busy over a rate, less what the client processes used: the servers' share (their
-    HTTP front, image processing, schedulers), which GPU utilisation does not show."""
+    HTTP front, image processing, schedulers), which GPU utilisation does not show; and the busiest
+    server processes by title, since one Python process tops out near one core (its GIL) long before
+    the host does."""
+
+    BUSIEST = 6
 
     def __init__(self, clients: list[int]):
         import psutil
 
         self.processes = [psutil.Process(pid) for pid in clients]
-        self.start = (time.monotonic(), self._busy(psutil.cpu_times()), self._clients())
+        self.start = (time.monotonic(), self._busy(psutil.cpu_times()), self._clients(), process_seconds())
 
     @staticmethod
     def _busy(times) -> float:
@@ -184,8 +189,37 @@ class CpuSampler:
     def stop(self) -> dict:
         import psutil
 
-        began, busy, clients = self.start
+        began, busy, clients, processes = self.start
         seconds = time.monotonic() - began
         host = (self._busy(psutil.cpu_times()) - busy) / seconds
         client = (self._clients() - clients) / seconds
-        return {"host_cores": round(host, 1), "client_cores": round(client, 1), "server_cores": round(host - client, 1)}
+        skip = {p.pid for p in self.processes} | {os.getpid()}
+        busiest = busiest_processes(processes, process_seconds(), seconds, skip, self.BUSIEST)
+        return {
+            "host_cores": round(host, 1),
+            "client_cores": round(client, 1),
+            "server_cores": round(host - client, 1),
+            "busiest_processes": busiest,
+        }
+
+
+def process_seconds() -> dict[int, tuple[str, float]]:
+    """{pid: (title, CPU seconds so far)} of every process this user may read."""
+    import psutil
+
+    found = {}
+    for process in psutil.process_iter(["cmdline", "name", "cpu_times"]):
+        times = process.info["cpu_times"]
+        if times is not None:
+            title = " ".join(process.info["cmdline"] or []).strip() or process.info["name"] or "?"
+            found[process.pid] = (title[:80], times.user + times.system)
+    return found
+
+
+def busiest_processes(before: dict, after: dict, seconds: float, skip: set[int], count: int) -> list[list]:
+    """The `count` processes that used the most cores between two `process_seconds` readings, as
+    [title, cores] (a process that started in between counts from zero)."""
+    used = [
+        (after[pid][1] - before.get(pid, (None, 0.0))[1], after[pid][0]) for pid in after if pid not in skip
+    ]
+    return [[title, round(cores / seconds, 2)] for cores, title in sorted(used, reverse=True)[:count]]
