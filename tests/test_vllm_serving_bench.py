@@ -141,7 +141,7 @@ def test_the_busiest_processes_are_ranked_by_the_cores_they_used_between_two_rea
 def test_the_busiest_processes_are_named_by_their_deployment_or_program():
     from benchmarks.vllm_serving_bench import busiest
 
-    found = [["ray::ServeReplica:epd:ColocatedReplica", 0.99], ["VLLM::EngineCore_DP0 x", 0.5], ["/usr/bin/haproxy -f", 0.1]]
+    found = [["ray::ServeReplica:epd:ColocatedReplica", 0.99], ["VLLM::EngineCore_DP0 x", 0.5], ["/bin/haproxy", 0.1]]
     assert busiest({"cpu": {"busiest_processes": found}}) == "ColocatedReplica 0.99, EngineCore_DP0 0.5, haproxy 0.1"
     assert busiest({"cpu": {"server_cores": 1.0}}) == busiest({}) == "-"  # levels measured before the breakdown
 
