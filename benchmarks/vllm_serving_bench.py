@@ -394,6 +394,7 @@ def measure(system: str, args, out: Path) -> int:
     running = start_system(system, args, out, log, probe_body)
     target = {"url": running.url, "model": running.model, "extra": running.extra, "encode_url": running.encode_url}
     record = {"system": system, "environment": environment(), "startup_s": round(time.monotonic() - started, 1)}
+    record["model"] = running.model  # the chat model's id, as the system's /v1/models lists it
     record["workloads"] = dict(kept)
     count = 0
     try:

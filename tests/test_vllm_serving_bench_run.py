@@ -1,8 +1,10 @@
 """The deployment comparison's benchmark run as a user runs it, on CPU: it starts our E/PD system
-(`configs/epd-vllm-cpu.yaml`, vLLM's CPU build) with `serve run`, measures one rate, reports, keeps
-the logs; a run whose time limit allows no rate fails and starts no server. Skipped without vLLM
-(the main CI env); the vLLM CI step (.ci/vllm) runs this file on its own, before its other tests,
-since the benchmark starts its own Ray and serves on port 8000."""
+(`configs/epd-vllm-cpu.yaml`, vLLM's CPU build, every engine argument as shipped, on the checkpoint
+made as the README says) with `serve run`, measures one rate, reports, keeps the logs; a run whose
+time limit allows no rate fails and starts no server. This run is also the test that the shipped CPU
+config starts and answers chats. Skipped without vLLM (the main CI env); the vLLM CI step (.ci/vllm)
+runs this file on its own, before its other tests, since the benchmark starts its own Ray and serves
+on port 8000."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 if os.environ.get("REQUIRE_VLLM") == "1":
     import vllm  # noqa: F401  (an ImportError here fails the vLLM CI step instead of skipping)
@@ -44,6 +47,12 @@ def test_the_benchmark_measures_our_system_at_a_rate_and_reports_it(tiny_vllm_ch
     budgets = record["max_num_batched_tokens"]  # read from the vLLM engine's own start-up line
     assert budgets and all(budget > 0 for budget in budgets), budgets
     assert "| ours | 1 | 4 |" in (tmp_path / "vllm_serving.md").read_text()
+    shipped = yaml.safe_load((ROOT / "configs" / "epd-vllm-cpu.yaml").read_text())
+    served = yaml.safe_load((tmp_path / "ours-config.yaml").read_text())
+    args, shipped_args = served["applications"][0]["args"], shipped["applications"][0]["args"]
+    assert args["llm"]["engine_kwargs"] == shipped_args["llm"]["engine_kwargs"]  # the engine as shipped
+    assert served["applications"][0]["deployments"] == shipped["applications"][0]["deployments"]
+    assert record["model"] == Path(shipped_args["llm"]["path"]).name  # the directory's name, as the config says
     assert (tmp_path / "serve-logs-ours.tgz").is_file() and (tmp_path / "server-ours.log").is_file()
 
 

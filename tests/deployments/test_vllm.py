@@ -108,18 +108,27 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("family", getattr(metafunc.function, "families", FAMILIES), scope="module")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(family, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(family)
-    save_tiny_vlm(family, directory, seed=SEED, for_vllm=True)
-    return str(directory)
+CHECKPOINTS: dict[str, str] = {}
+REFERENCES: dict[str, dict] = {}
+"""Per family, for the session: the tiny checkpoint and vLLM's own outputs on it, made once and shared
+by the modules that test the same engine settings (test_vllm_colocated.py): an engine start on CPU is
+most of a minute."""
 
 
-@pytest.fixture(scope="module")
-def reference(family, checkpoint):
+def tiny_checkpoint(family: str, tmp_path_factory) -> str:
+    if family not in CHECKPOINTS:
+        directory = tmp_path_factory.mktemp(family)
+        save_tiny_vlm(family, directory, seed=SEED, for_vllm=True)
+        CHECKPOINTS[family] = str(directory)
+    return CHECKPOINTS[family]
+
+
+def own_outputs(family: str, checkpoint: str) -> dict:
     """vLLM's own generation from pixels, offline: {prompt image count or "video": (ids, prompt tokens)}."""
     from vllm import LLM
 
+    if family in REFERENCES:
+        return REFERENCES[family]
     llm = LLM(model=checkpoint, dtype="float32", seed=0, **ENGINE_KWARGS)
     found = {}
     for count, images in PROMPTS.items():
@@ -128,7 +137,18 @@ def reference(family, checkpoint):
     found["video"] = video_reference(llm, checkpoint, VIDEO_FPS[family])
     del llm  # its engine process ends here, before the service's starts
     gc.collect()
+    REFERENCES[family] = found
     return found
+
+
+@pytest.fixture(scope="module")
+def checkpoint(family, tmp_path_factory):
+    return tiny_checkpoint(family, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference(family, checkpoint):
+    return own_outputs(family, checkpoint)
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,11 @@ CPU with the tiny vLLM-shaped checkpoint; its chats' greedy ids equal vLLM's own
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 from ray import serve
 
 # first: imports vLLM or skips the module (REQUIRE_VLLM=1: fails) as test_vllm does
-from models.tiny_checkpoint import save_tiny_vlm
-from tests.deployments.test_vllm import ENGINE_KWARGS, PROMPTS, SEED, chat, greedy, vllm_pil_messages
+from tests.deployments.test_vllm import ENGINE_KWARGS, PROMPTS, chat, own_outputs, tiny_checkpoint
 from tests.serve_harness import REMOVE, UNCOMPILED
 
 NAME = "epd-vllm-colocated"
@@ -20,24 +17,13 @@ CPU = {"num_cpus": 0, "num_gpus": 0}
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen3-vl")
-    save_tiny_vlm("qwen3-vl", directory, seed=SEED, for_vllm=True)
-    return str(directory)
+    return tiny_checkpoint("qwen3-vl", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
-    """vLLM's own greedy ids from the pixels, offline; its engine ends before the service's starts."""
-    from vllm import LLM
-
-    llm = LLM(model=checkpoint, dtype="float32", seed=0, **ENGINE_KWARGS)
-    found = {
-        count: list(llm.chat(vllm_pil_messages(images), greedy())[0].outputs[0].token_ids)
-        for count, images in PROMPTS.items()
-    }
-    del llm
-    gc.collect()
-    return found
+    """vLLM's own greedy ids from the pixels, offline (test_vllm.py's, where it ran first in the session)."""
+    return {count: ids for count, (ids, _) in own_outputs("qwen3-vl", checkpoint).items() if count in PROMPTS}
 
 
 @pytest.fixture(scope="module")
