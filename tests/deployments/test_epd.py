@@ -34,14 +34,20 @@ def checkpoints(tmp_path_factory):
     return paths
 
 
+SCALED = "qwen2.5-vl"
+"""The family whose app runs two LLM replicas to one encoder replica (its tests do not ask one LLM replica
+what another served)."""
+
+
 @pytest.fixture(scope="module")
 def apps(serve_harness, checkpoints):
     urls = {}
     for family in FAMILIES:
         name = f"epd-{family.replace('.', '')}"
         model = {"family": family, "path": checkpoints[family]}
+        scaled = {"LLMReplica": {"num_replicas": 2}} if family == SCALED else {}
         urls[family] = serve_harness.deploy(
-            "configs/epd.yaml", name=name, route_prefix=f"/{name}", model=model, llm=dict(model)
+            "configs/epd.yaml", name=name, route_prefix=f"/{name}", deployments=scaled, model=model, llm=dict(model)
         )
     return urls
 
@@ -154,17 +160,7 @@ def test_internvl_placeholders_typed_as_text_are_refused(apps, serve_harness):
     assert response.status_code == 400 and "<IMG_CONTEXT>" in response.json()["error"]["message"]
 
 
-def test_llm_scales_independently_of_the_encoder(serve_harness, checkpoints):
-    model = {"family": "qwen3-vl", "path": checkpoints["qwen3-vl"]}
-    serve_harness.deploy(
-        "configs/epd.yaml",
-        name="epd-scaled",
-        route_prefix="/epd-scaled",
-        deployments={"LLMReplica": {"num_replicas": 2}},
-        model=model,
-        llm=dict(model),
-    )
-    deployments = serve.status().applications["epd-scaled"].deployments
+def test_llm_scales_independently_of_the_encoder(apps):
+    deployments = serve.status().applications[f"epd-{SCALED.replace('.', '')}"].deployments
     assert deployments["LLMReplica"].replica_states == {"RUNNING": 2}
     assert deployments["EncoderReplica"].replica_states == {"RUNNING": 1}
-    serve_harness.remove("epd-scaled")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -95,13 +96,31 @@ def compile_in_fresh_process(root: Path, local_cache: Path, node: Path) -> tuple
     return counts.split(), Path(artifacts), done.stderr
 
 
-def test_a_second_process_loads_what_the_first_compiled_and_another_nodes_key_trusts_none_of_it(tmp_path):
+@pytest.fixture(scope="module")
+def first_compile(tmp_path_factory) -> tuple[Path, Path, list[str], Path]:
+    """A first process's compile into an empty shared cache (a cold inductor compile, the slow part),
+    kept untouched for the tests to copy: (shared cache root, its node's state directory, counts,
+    the artifacts' path under the root)."""
+    root = tmp_path_factory.mktemp("first-compile")
+    counts, artifacts, _ = compile_in_fresh_process(root / "shared", root / "local", root / "node")
+    return root / "shared", root / "node", counts, artifacts.relative_to(root / "shared")
+
+
+def copy_of_first_compile(first_compile, tmp_path: Path) -> tuple[Path, Path, list[str], Path]:
+    shared, node, counts, artifacts = first_compile
+    shutil.copytree(shared, tmp_path / "shared")
+    shutil.copytree(node, tmp_path / "node1")
+    return tmp_path / "shared", tmp_path / "node1", counts, tmp_path / "shared" / artifacts
+
+
+def test_a_second_process_loads_what_the_first_compiled_and_another_nodes_key_trusts_none_of_it(
+    first_compile, tmp_path
+):
     """The first process compiles (an inductor cache miss) and saves the artifacts, signed; the second,
     on the same node (same key) with a local cache of its own, loads them and compiles nothing: a hit,
     and nothing new to save. A process with another node's key never reads them: it compiles and
     saves under its own key's directory, leaving the first node's file as it was."""
-    shared = tmp_path / "shared"
-    counts, artifacts, _ = compile_in_fresh_process(shared, tmp_path / "local1", tmp_path / "node1")
+    shared, _, counts, artifacts = copy_of_first_compile(first_compile, tmp_path)
     assert counts == ["0", "0", "1", "True"] and artifacts.read_bytes().startswith(HEADER)
     saved = artifacts.read_bytes()
     counts, again, _ = compile_in_fresh_process(shared, tmp_path / "local2", tmp_path / "node1")
@@ -112,18 +131,17 @@ def test_a_second_process_loads_what_the_first_compiled_and_another_nodes_key_tr
     assert counts == ["0", "0", "1", "True"] and other != artifacts and artifacts.read_bytes() == saved
 
 
-def test_a_tampered_artifact_is_refused_and_replaced_by_a_signed_one(tmp_path):
+def test_a_tampered_artifact_is_refused_and_replaced_by_a_signed_one(first_compile, tmp_path):
     """One byte changed in a genuine signed file: refused (one warning naming the file), compiled
     anew and saved over it, signed with the node's key."""
-    shared = tmp_path / "shared"
-    _, artifacts, _ = compile_in_fresh_process(shared, tmp_path / "local1", tmp_path / "node")
+    shared, node_state, _, artifacts = copy_of_first_compile(first_compile, tmp_path)
     blob = bytearray(artifacts.read_bytes())
     blob[-10] ^= 1
     artifacts.write_bytes(bytes(blob))
-    counts, _, log = compile_in_fresh_process(shared, tmp_path / "local2", tmp_path / "node")
+    counts, _, log = compile_in_fresh_process(shared, tmp_path / "local2", node_state)
     assert counts == ["0", "0", "1", "True"]
     assert log.count("refused") == 1 and f"{artifacts} refused: signature does not match" in log
-    node = Signer(read_key(tmp_path / "node" / NODE_KEY), "the node's")
+    node = Signer(read_key(node_state / NODE_KEY), "the node's")
     assert node.verify(f"key/{ARTIFACTS}", artifacts.read_bytes()) != bytes(blob)[len(HEADER) + 65 :]
 
 
