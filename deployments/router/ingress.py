@@ -95,6 +95,11 @@ class EncoderRouter:
         self._before = before_constructor(IMPORTED)
         log_refusals_in_one_line()
         self.config = config
+        if not encoder.is_initialized:
+            # its request router now, not at the first pack: `/v1/models/{id}` reads the replicas'
+            # warm-up from it, and a router that had served nothing showed none (with six routers
+            # behind HAProxy, a readiness probe on it never passed)
+            encoder._init()
         self.encoder = encoder
         if llm is not None and llm.deployment_name == encoder.deployment_name:  # `llm.colocate`: one deployment
             # a handle of its own, so a request router of its own: a FIFO router gives the replica it

@@ -29,12 +29,36 @@ def is_ours(response: httpx.Response) -> bool:
     return isinstance(body, dict) and ("missing" in body or body.get("status") == "ok")
 
 
+def every_router_shows_the_replicas_warm_up(client: httpx.Client, url: str, answers: int = 12) -> list[int]:
+    """Warm-up entries in `answers` consecutive `/v1/models/{id}` answers (Serve's proxy spreads them
+    over the routers; one still setting up answers without the encoder's part), polled until each
+    has one or 30 s pass."""
+    model_id = client.get(url + "/v1/models").json()["data"][0]["id"]
+    deadline = time.monotonic() + 30
+    while True:
+        bodies = [client.get(f"{url}/v1/models/{model_id}", timeout=10).json() for _ in range(answers)]
+        counts = [len(body.get("encoder", {}).get("replica_warmup", {})) for body in bodies]
+        if min(counts) > 0 or time.monotonic() > deadline:
+            return counts
+        time.sleep(1)
+
+
 def test_health_is_503_at_once_while_the_router_starts_then_200(serve_harness):
     """Polled with a 1 s timeout from the deploy on: the router's first answer is 503 naming its own
     setup (its constructor returns before the decode pool and torch come up), every later answer
-    comes within a second, 503 with the missing parts until the application can serve, then 200."""
-    url = serve_harness.deploy("configs/local.yaml", name="health-startup", route_prefix="/health-startup", wait=False)
+    comes within a second, 503 with the missing parts until the application can serve, then 200.
+    Then, before any request was encoded, every router's `/v1/models/{id}` shows the replica's
+    warm-up (a router that had served nothing once showed none, so readiness probes on it hung)."""
+    url = serve_harness.deploy(
+        "configs/local.yaml",
+        name="health-startup",
+        route_prefix="/health-startup",
+        wait=False,
+        deployments={"EncoderRouter": {"num_replicas": 2}},
+        router={"decode_workers": 1},
+    )
     answers: list[tuple[int, dict]] = []
+    warm_ups: list[int] = []
     deadline = time.monotonic() + serve_harness.deploy_timeout_s
     try:
         with httpx.Client() as client:
@@ -58,6 +82,7 @@ def test_health_is_503_at_once_while_the_router_starts_then_200(serve_harness):
                         f"the proxy answered after the router did: {response.status_code} {response.text}"
                     )
                 time.sleep(0.1)
+            warm_ups = every_router_shows_the_replicas_warm_up(client, url)
     finally:
         serve_harness.remove("health-startup")
     assert answers and answers[-1][0] == 200, answers[-3:]
@@ -66,6 +91,7 @@ def test_health_is_503_at_once_while_the_router_starts_then_200(serve_harness):
     assert first["error"]["type"] == "overloaded_error" and STARTING in first["error"]["message"]
     assert all(status == 503 and body["missing"] for status, body in answers[:-1])
     assert answers[-1][1]["encoder_replicas"] >= 1
+    assert min(warm_ups) == 1, warm_ups
 
 
 @pytest.fixture(scope="module")
