@@ -110,7 +110,7 @@ def pytest_generate_tests(metafunc):
 
 CHECKPOINTS: dict[str, str] = {}
 REFERENCES: dict[str, dict] = {}
-"""Per family, for the session: the tiny checkpoint and vLLM's own outputs on it, made once and shared
+"""For the session: each family's tiny checkpoint, and vLLM's own outputs per checkpoint, made once and shared
 by the modules that test the same engine settings (test_vllm_colocated.py): an engine start on CPU is
 most of a minute."""
 
@@ -127,8 +127,8 @@ def own_outputs(family: str, checkpoint: str) -> dict:
     """vLLM's own generation from pixels, offline: {prompt image count or "video": (ids, prompt tokens)}."""
     from vllm import LLM
 
-    if family in REFERENCES:
-        return REFERENCES[family]
+    if checkpoint in REFERENCES:
+        return REFERENCES[checkpoint]
     llm = LLM(model=checkpoint, dtype="float32", seed=0, **ENGINE_KWARGS)
     found = {}
     for count, images in PROMPTS.items():
@@ -137,7 +137,7 @@ def own_outputs(family: str, checkpoint: str) -> dict:
     found["video"] = video_reference(llm, checkpoint, VIDEO_FPS[family])
     del llm  # its engine process ends here, before the service's starts
     gc.collect()
-    REFERENCES[family] = found
+    REFERENCES[checkpoint] = found
     return found
 
 
